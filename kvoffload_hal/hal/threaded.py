@@ -14,7 +14,9 @@ Threads and what they own:
 
 They share nothing but two ``queue.SimpleQueue``: ``submit -> copy thread``
 (jobs and flush barriers) and ``copy thread -> engine`` (launched jobs with their
-completion handles). No list is mutated from two threads. A flush puts a barrier
+completion handles), plus one ``threading.Event`` set when a shutdown gives up
+waiting, after which the copy thread launches nothing more (the caller may free
+the memory as soon as ``shutdown`` returns). No list is mutated from two threads. A flush puts a barrier
 behind every queued job and waits for the copy thread to reach it, so jobs still
 queued and not yet launched are waited for as well as launched ones.
 """
@@ -82,6 +84,8 @@ class ThreadedCopyBackend(DmaCopyBackend):
         self._regions: tuple[tuple[BlockRegion, ...], tuple[BlockRegion, ...]] | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Set by a shutdown that timed out: queued jobs are failed, not launched.
+        self._abandoned = threading.Event()
 
     # ----------------------------------------------------------------- hooks
     def _start(self) -> None:
@@ -130,9 +134,11 @@ class ThreadedCopyBackend(DmaCopyBackend):
         if job.job_id <= self._last_job_id[job.direction]:
             logger.debug("ignoring re-submission of %s job %d", job.direction.value, job.job_id)
             return
+        # Prepare first: if it raises, the job was not submitted and may be retried.
+        fence = self._prepare(job)
         self._last_job_id[job.direction] = job.job_id
         self._num_pending += 1
-        self._submit_q.put(_Launch(job, self._prepare(job)))
+        self._submit_q.put(_Launch(job, fence))
 
     def poll(self) -> list[JobResult]:
         self._drain_done_queue()
@@ -156,7 +162,9 @@ class ThreadedCopyBackend(DmaCopyBackend):
         return results
 
     def flush(self) -> list[JobResult]:
-        if self._thread is not None and self._thread.is_alive():
+        # After shutdown the copy thread stops at its stop marker and would
+        # never reach a barrier queued behind it: fail what is still queued.
+        if not self._closed and self._thread is not None and self._thread.is_alive():
             barrier = _Barrier(threading.Event())
             self._submit_q.put(barrier)
             if not barrier.reached.wait(FLUSH_TIMEOUT_S):
@@ -188,6 +196,7 @@ class ThreadedCopyBackend(DmaCopyBackend):
             self._submit_q.put(_STOP)
             self._thread.join(timeout_s)
             if self._thread.is_alive():
+                self._abandoned.set()
                 logger.warning(
                     "%s: copy thread still busy after %.1f s; abandoning %d pending job(s)",
                     type(self).__name__, timeout_s, self._num_pending,
@@ -212,6 +221,9 @@ class ThreadedCopyBackend(DmaCopyBackend):
                 continue
             job = item.job
             launched_at = time.perf_counter()
+            if self._abandoned.is_set():
+                self._done_q.put(_Launched(job, None, "backend shut down before launch", launched_at, 0))
+                continue
             try:
                 if job.direction is Direction.STORE:
                     batch = build_copy_batch(device_regions, host_regions,

@@ -1,0 +1,142 @@
+"""``HALOffloadConnector``: vLLM KV connector offloading KV blocks to CPU memory.
+
+A thin façade: the scheduler role delegates to
+:class:`~kvoffload_hal.scheduler.OffloadScheduler` (no device code), the worker
+role to :class:`~kvoffload_hal.worker.OffloadWorker` (copies through the HAL).
+Use it with ``kv_connector="HALOffloadConnector"`` (registered by this package's
+``vllm.general_plugins`` entry point) or with
+``kv_connector_module_path="kvoffload_hal.connector"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from kvoffload_hal.config import OffloadConfig
+from kvoffload_hal.metrics import OffloadPromMetrics, OffloadStats
+from kvoffload_hal.scheduler import OffloadScheduler
+from kvoffload_hal.worker import OffloadWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("HALOffloadConnector needs the KVCacheConfig (vLLM >= 0.32)")
+        if not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "HALOffloadConnector needs prefix caching: set enable_prefix_caching=True "
+                "(--enable-prefix-caching); the CPU tier is looked up by block hash"
+            )
+        config = OffloadConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.scheduler: OffloadScheduler | None = None
+        self.worker: OffloadWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = OffloadScheduler(vllm_config, kv_cache_config, config)
+        else:
+            self.worker = OffloadWorker(vllm_config, kv_cache_config, config)
+
+    # ---------------------------------------------------------- scheduler
+    def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
+        self.scheduler.bind_gpu_block_pool(gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        return self.scheduler.take_events()
+
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset_cache()
+
+    # ------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.worker.clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self.worker.build_connector_worker_meta()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # Copies are whole-step batches launched from get_finished: the per-layer
+    # hooks have nothing to do.
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    # ------------------------------------------------------------ metrics
+    def get_kv_connector_stats(self) -> OffloadStats | None:
+        side = self.scheduler or self.worker
+        return side.get_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadStats:
+        return OffloadStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,94 @@
+"""Transfer statistics and their Prometheus metrics (``vllm:kvoffload_hal_*``).
+
+Both sides report: the scheduler counts blocks published and loaded and the CPU
+hit tokens; the worker counts bytes moved, copy time and failed jobs. vLLM sums
+:class:`OffloadStats` over ranks and steps with :meth:`OffloadStats.aggregate`
+and hands the data to :class:`OffloadPromMetrics.observe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+# name -> help text. Every field is a monotonically increasing counter.
+COUNTERS: dict[str, str] = {
+    "blocks_stored": "KV blocks copied device->CPU and published in the CPU tier",
+    "blocks_loaded": "KV blocks copied CPU->device for prefix hits",
+    "cpu_hit_tokens": "Prompt tokens served from the CPU tier instead of recomputed",
+    "bytes_stored": "Bytes copied device->CPU (per rank, summed)",
+    "bytes_loaded": "Bytes copied CPU->device (per rank, summed)",
+    "store_seconds": "Time spent in device->CPU copies",
+    "load_seconds": "Time spent in CPU->device copies",
+    "failed_jobs": "Copy jobs that failed (their blocks are recomputed, never used)",
+}
+
+
+@dataclass
+class OffloadStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def _add(self, key: str, value: float) -> None:
+        self.data[key] = self.data.get(key, 0) + value
+
+    def record_store(self, num_blocks: int) -> None:
+        self._add("blocks_stored", num_blocks)
+
+    def record_load(self, num_blocks: int, num_tokens: int) -> None:
+        self._add("blocks_loaded", num_blocks)
+        self._add("cpu_hit_tokens", num_tokens)
+
+    def record_transfer(self, store: bool, num_bytes: int, seconds: float, ok: bool) -> None:
+        if not ok:
+            self._add("failed_jobs", 1)
+            return
+        self._add("bytes_stored" if store else "bytes_loaded", num_bytes)
+        self._add("store_seconds" if store else "load_seconds", seconds)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "OffloadStats":
+        for key, value in other.data.items():
+            self._add(key, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
+        for direction in ("store", "load"):
+            seconds = out[f"{direction}_seconds"]
+            nbytes = out[f"bytes_{direction}d"]
+            out[f"{direction}_GBps"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class OffloadPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per :data:`COUNTERS` entry, per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: self._counter_cls(name=f"vllm:kvoffload_hal_{key}", documentation=doc,
+                                   labelnames=labelnames)
+            for key, doc in COUNTERS.items()
+        }
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            counter = self._counters.get(key)
+            if counter is None or not value:
+                continue
+            child = self._children.get((engine_idx, key))
+            if child is None:
+                child = counter.labels(*self.per_engine_labelvalues[engine_idx])
+                self._children[(engine_idx, key)] = child
+            child.inc(value)

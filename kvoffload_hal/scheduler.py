@@ -1,0 +1,441 @@
+"""Scheduler side: the CPU tier as a second vLLM ``BlockPool``.
+
+The CPU tier is driven by a ``KVCacheCoordinator`` built from a CPU
+``KVCacheConfig`` (the device one with fewer blocks), so prefix matching, LRU
+eviction, reference counts, the hash->block map, HMA group semantics and KV
+events all come from vLLM. This module only decides *which* blocks move and
+keeps every block it borrows referenced until the copy is over:
+
+* a CPU hit is pinned (``touch``) the moment ``get_num_new_matched_tokens``
+  finds it, so LRU eviction cannot take it before ``update_state_after_alloc``;
+* device and CPU blocks of a job in flight are pinned until the job's result
+  arrives, so a finished, aborted or preempted request never frees a block a
+  copy still reads or writes;
+* a stored block is published in the CPU prefix cache only after every rank
+  reported its copy done, and a failed store is never published.
+
+No device is touched here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, SlidingWindowSpec
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvoffload_hal.config import OffloadConfig, num_cpu_blocks
+from kvoffload_hal.logger import init_logger
+from kvoffload_hal.metadata import NO_JOB, OffloadMetadata, OffloadWorkerMetadata
+from kvoffload_hal.metrics import OffloadStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Load:
+    """A CPU->device copy for one request; both block lists stay pinned until it ends."""
+
+    gpu_ids: list[int]
+    cpu_ids: list[int]
+    num_tokens: int
+    job_id: int = NO_JOB
+
+
+@dataclass
+class _Store:
+    """A device->CPU copy job; ``hashes`` are the device blocks' hashes at submission."""
+
+    gpu_ids: list[int]
+    cpu_ids: list[int]
+    hashes: list[Any]
+    reports: int = 0
+    failed: bool = False
+    abandoned: bool = False  # reset_cache() ran while in flight: do not publish
+
+
+@dataclass
+class _EagerCursor:
+    """Per running request (eager mode): its device blocks and how many were considered."""
+
+    request: "Request"
+    block_ids: list[list[int]]
+    num_scanned: list[int] = field(default_factory=list)
+
+
+def derive_cpu_kv_cache_config(gpu_config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
+    """The device config with ``num_blocks`` blocks (same groups, so same HMA semantics).
+
+    Only the groups and the block count drive the CPU coordinator; tensor sizes
+    are scaled for consistency but nothing is allocated from them.
+    """
+    tensors = [replace(t, size=t.size // gpu_config.num_blocks * num_blocks)
+               for t in gpu_config.kv_cache_tensors]
+    return replace(gpu_config, num_blocks=num_blocks, kv_cache_tensors=tensors)
+
+
+class OffloadScheduler:
+    """Decides loads and stores between the device pool and the CPU pool."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: KVCacheConfig,
+                 config: OffloadConfig) -> None:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        self.config = config
+        self.world_size = vllm_config.parallel_config.world_size
+        self.block_size, self.hash_block_size = resolve_kv_cache_block_sizes(
+            kv_cache_config, vllm_config)
+        self.num_cpu_blocks = num_cpu_blocks(
+            kv_cache_config, config.cpu_bytes_per_rank(self.world_size))
+        self.cpu_kv_cache_config = derive_cpu_kv_cache_config(kv_cache_config, self.num_cpu_blocks)
+        events = vllm_config.kv_events_config
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config=self.cpu_kv_cache_config,
+            max_model_len=vllm_config.model_config.max_model_len,
+            max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+            use_eagle=False,
+            enable_caching=True,
+            enable_kv_cache_events=bool(events and events.enable_kv_cache_events),
+            dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
+            pcp_world_size=1,
+            scheduler_block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
+            # Copies are whole blocks, so hits must end on a block boundary.
+            allow_partial_hash_hits=False,
+        )
+        self.cpu_pool: BlockPool = self.coordinator.block_pool
+        self.group_block_sizes = self.coordinator.group_block_sizes
+        self.cacheable_groups = [
+            g for g in self.cpu_kv_cache_config.prefix_cacheable_group_ids
+            if getattr(self.coordinator.single_type_managers[g],
+                       "has_positionally_stable_blocks", True)
+        ]
+        self.gpu_pool: BlockPool | None = None
+        self.lazy_target_blocks = (
+            _lazy_target_blocks(kv_cache_config, vllm_config.scheduler_config.max_num_batched_tokens)
+            if config.lazy_offload else 0
+        )
+
+        self._pending_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int]] = {}
+        self._loads: dict[str, _Load] = {}
+        self._finished_loading: set[str] = set()  # finished while their load is in flight
+        self._stores: dict[int, _Store] = {}
+        self._queued_stores: list[tuple[list[int], list[int], list[Any]]] = []
+        self._in_flight_gpu: set[int] = set()  # device blocks with a store queued or running
+        self._in_flight_hashes: set[Any] = set()
+        self._cursors: dict[str, _EagerCursor] = {}
+        self._next_load_job = 0
+        self._next_store_job = 0
+        self._stats = OffloadStats()
+        logger.info(
+            "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores",
+            self.num_cpu_blocks, config.cpu_bytes_per_rank(self.world_size) / 2**30,
+            "lazy" if config.lazy_offload else "eager",
+        )
+
+    # ------------------------------------------------------------ binding
+    def bind_gpu_block_pool(self, gpu_pool: BlockPool) -> None:
+        self.gpu_pool = gpu_pool
+
+    # --------------------------------------------------------------- loads
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._release_pending_hit(request.request_id)
+        if request.request_id in self._loads:
+            return None, False  # a load for this request is still in flight: ask later
+        if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
+            return 0, False
+        hashes = request.block_hashes[num_computed_tokens // self.hash_block_size:]
+        # The last prompt token is always computed: the model must produce logits.
+        max_hit_tokens = request.num_tokens - 1 - num_computed_tokens
+        if not hashes or max_hit_tokens <= 0:
+            return 0, False
+        hit_blocks, hit_tokens, _ = self.coordinator.find_longest_cache_hit(hashes, max_hit_tokens)
+        if hit_tokens <= 0:
+            return 0, False
+        # Pin now: LRU eviction between this lookup and the allocation must not
+        # take the hit away (the lookup/allocation race).
+        self.cpu_pool.touch([b for group in hit_blocks for b in group if not b.is_null])
+        self._pending_hits[request.request_id] = (hit_blocks, num_computed_tokens)
+        return hit_tokens, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        req_id = request.request_id
+        gpu_ids_by_group = blocks.get_block_ids()
+        if not self.config.lazy_offload and req_id not in self._cursors:
+            n = len(gpu_ids_by_group)
+            self._cursors[req_id] = _EagerCursor(request, [[] for _ in range(n)], [0] * n)
+        pending = self._pending_hits.pop(req_id, None)
+        if pending is None or num_external_tokens == 0:
+            if pending is not None:
+                self._unpin(pending[0])
+            return
+        hit_blocks, num_computed_tokens = pending
+        gpu_ids: list[int] = []
+        cpu_ids: list[int] = []
+        taken: list[KVCacheBlock] = []
+        for g, group_hit in enumerate(hit_blocks):
+            bs = self.group_block_sizes[g]
+            # The scheduler may accept fewer tokens than offered: take the prefix.
+            n_take = cdiv(num_external_tokens, bs)
+            first = num_computed_tokens // bs
+            for i, cpu_block in enumerate(group_hit[:n_take]):
+                if cpu_block.is_null:
+                    continue
+                gpu_ids.append(gpu_ids_by_group[g][first + i])
+                cpu_ids.append(cpu_block.block_id)
+                taken.append(cpu_block)
+        self.cpu_pool.touch(taken)
+        self._unpin(hit_blocks)
+        assert self.gpu_pool is not None, "bind_gpu_block_pool() was not called"
+        # The request could be aborted mid-copy: keep its device blocks ours.
+        self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
+        self._loads[req_id] = _Load(gpu_ids, cpu_ids, num_external_tokens)
+
+    # --------------------------------------------------------------- steps
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
+        meta = OffloadMetadata(need_flush=bool(scheduler_output.preempted_req_ids))
+        for req_id in scheduler_output.preempted_req_ids or ():
+            cursor = self._cursors.get(req_id)
+            if cursor is not None:  # it restarts with a fresh block table
+                cursor.block_ids = [[] for _ in cursor.block_ids]
+                cursor.num_scanned = [0] * len(cursor.block_ids)
+
+        if self.config.lazy_offload:
+            self._select_lazy_stores()
+        else:
+            self._select_eager_stores(scheduler_output)
+        if self._queued_stores:
+            job = self._next_store_job
+            self._next_store_job += 1
+            store = _Store([], [], [])
+            for gpu_ids, cpu_ids, hashes in self._queued_stores:
+                store.gpu_ids += gpu_ids
+                store.cpu_ids += cpu_ids
+                store.hashes += hashes
+            self._queued_stores.clear()
+            self._stores[job] = store
+            meta.store_job_id = job
+            meta.store_gpu_blocks = store.gpu_ids
+            meta.store_cpu_blocks = store.cpu_ids
+
+        new_loads = [(r, ld) for r, ld in self._loads.items() if ld.job_id == NO_JOB]
+        if new_loads:
+            job = self._next_load_job
+            self._next_load_job += 1
+            meta.load_job_id = job
+            for req_id, load in new_loads:
+                load.job_id = job
+                meta.load_req_ids.append(req_id)
+                meta.load_gpu_blocks += load.gpu_ids
+                meta.load_cpu_blocks += load.cpu_ids
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving or ():
+            load = self._loads.pop(req_id, None)
+            if load is None:
+                continue
+            self._finished_loading.discard(req_id)
+            self._release_load(load)
+            self._stats.record_load(len(load.gpu_ids), load.num_tokens)
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, OffloadWorkerMetadata):
+            for job, n in meta.stores_failed.items():
+                if job in self._stores:
+                    self._stores[job].failed = True
+                    self._count_store_report(job, n)
+            for job, n in meta.stores_done.items():
+                self._count_store_report(job, n)
+
+    def _count_store_report(self, job: int, n: int) -> None:
+        store = self._stores.get(job)
+        if store is None:
+            return
+        store.reports += n
+        if store.reports < self.world_size:
+            return  # every TP/PP rank must have copied its shard
+        del self._stores[job]
+        self._in_flight_gpu.difference_update(store.gpu_ids)
+        self._in_flight_hashes.difference_update(store.hashes)
+        cpu_blocks = [self.cpu_pool.blocks[b] for b in store.cpu_ids]
+        if store.failed:
+            logger.warning("store job %d failed on a rank; %d blocks not offloaded",
+                           job, len(cpu_blocks))
+        elif not store.abandoned:
+            for block, block_hash in zip(cpu_blocks, store.hashes):
+                _publish(self.cpu_pool, block, block_hash)
+            self._stats.record_store(len(cpu_blocks))
+        self.cpu_pool.free_blocks(cpu_blocks)
+        self._release_gpu(store.gpu_ids)
+
+    # ------------------------------------------------------------ finishing
+    def request_finished(self, request: "Request",
+                         block_ids: tuple[list[int], ...] | list[int]) -> tuple[bool, None]:
+        req_id = request.request_id
+        self._release_pending_hit(req_id)
+        cursor = self._cursors.pop(req_id, None)
+        if cursor is not None and block_ids and isinstance(block_ids[0], list):
+            # The request's last full block may have been computed in this very
+            # step: store it now, from the final block table, or it is lost.
+            self._queue_eager_blocks(cursor, list(block_ids), request.num_computed_tokens)
+        load = self._loads.get(req_id)
+        if load is not None and load.job_id == NO_JOB:
+            del self._loads[req_id]  # never sent to a worker: nothing in flight
+            self._release_load(load)
+        # A load in flight keeps its pins until finished_recving reports it.
+        # Device blocks of stores are pinned by the store job, so vLLM may free
+        # the request's blocks right away.
+        return False, None
+
+    # -------------------------------------------------------------- stores
+    def _select_eager_stores(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id, new_block_ids, _ in yield_req_data(scheduler_output):
+            cursor = self._cursors.get(req_id)
+            if cursor is None:
+                continue
+            if new_block_ids:
+                for g, ids in enumerate(new_block_ids):
+                    if ids:
+                        cursor.block_ids[g].extend(ids)
+            request = cursor.request
+            # Built before the step runs: num_computed_tokens counts only KV
+            # written by earlier steps, which have finished.
+            confirmed = request.num_computed_tokens - request.num_output_placeholders
+            self._queue_eager_blocks(cursor, cursor.block_ids, confirmed)
+
+    def _queue_eager_blocks(self, cursor: _EagerCursor, block_ids: list[list[int]],
+                            confirmed_tokens: int) -> None:
+        assert self.gpu_pool is not None
+        gpu_ids: list[int] = []
+        hashes: list[Any] = []
+        budget = self.cpu_pool.get_num_free_blocks()
+        for g in self.cacheable_groups:
+            ids = block_ids[g]
+            ready = min(len(ids), confirmed_tokens // self.group_block_sizes[g])
+            i = cursor.num_scanned[g]
+            while i < ready and len(gpu_ids) < budget:
+                block = self.gpu_pool.blocks[ids[i]]
+                if self._storable(block):
+                    gpu_ids.append(block.block_id)
+                    hashes.append(block.block_hash)
+                    self._in_flight_hashes.add(block.block_hash)
+                i += 1
+            cursor.num_scanned[g] = i
+        self._queue_store(gpu_ids, hashes)
+
+    def _select_lazy_stores(self) -> None:
+        """Store the device blocks next in line for eviction (the free queue's head)."""
+        if self.gpu_pool is None:
+            return
+        budget = self.cpu_pool.get_num_free_blocks()
+        gpu_ids: list[int] = []
+        hashes: list[Any] = []
+        for n, block in enumerate(self.gpu_pool.free_block_queue.iter_blocks_after(None)):
+            if n >= self.lazy_target_blocks or len(gpu_ids) >= budget:
+                break
+            if self._storable(block):
+                gpu_ids.append(block.block_id)
+                hashes.append(block.block_hash)
+                self._in_flight_hashes.add(block.block_hash)
+        self._queue_store(gpu_ids, hashes)
+
+    def _storable(self, block: "KVCacheBlock") -> bool:
+        h = block.block_hash
+        return (not block.is_null and h is not None
+                and block.block_id not in self._in_flight_gpu
+                and h not in self._in_flight_hashes
+                and self.cpu_pool.cached_block_hash_to_block.get_one_block(h) is None)
+
+    def _queue_store(self, gpu_ids: list[int], hashes: list[Any]) -> None:
+        if not gpu_ids:
+            return
+        assert self.gpu_pool is not None
+        cpu_blocks = self.cpu_pool.get_new_blocks(len(gpu_ids))  # LRU eviction happens here
+        self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
+        self._in_flight_gpu.update(gpu_ids)
+        self._queued_stores.append((gpu_ids, [b.block_id for b in cpu_blocks], hashes))
+
+    # --------------------------------------------------------------- misc
+    def reset_cache(self) -> bool:
+        """Forget every CPU prefix; copies in flight finish but are not published."""
+        for req_id in list(self._pending_hits):
+            self._release_pending_hit(req_id)
+        for store in self._stores.values():
+            store.abandoned = True
+        self.cpu_pool.evict_blocks(set(range(self.num_cpu_blocks)))
+        for gpu_ids, cpu_ids, hashes in self._queued_stores:
+            self.cpu_pool.free_blocks([self.cpu_pool.blocks[b] for b in cpu_ids])
+            self._release_gpu(gpu_ids)
+            self._in_flight_gpu.difference_update(gpu_ids)
+            self._in_flight_hashes.difference_update(hashes)
+        self._queued_stores.clear()
+        for cursor in self._cursors.values():
+            cursor.num_scanned = [0] * len(cursor.num_scanned)
+        return True
+
+    def take_events(self) -> Iterable[Any]:
+        return self.cpu_pool.take_events()
+
+    def get_stats(self) -> OffloadStats | None:
+        stats, self._stats = self._stats, OffloadStats()
+        return None if stats.is_empty() else stats
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._loads or self._stores or self._queued_stores)
+
+    def num_pinned_cpu_blocks(self) -> int:
+        """CPU blocks referenced by a hit or a copy (0 when the tier is idle)."""
+        return sum(1 for b in self.cpu_pool.blocks if b.ref_cnt > 0 and not b.is_null)
+
+    # ------------------------------------------------------------ helpers
+    def _release_pending_hit(self, req_id: str) -> None:
+        pending = self._pending_hits.pop(req_id, None)
+        if pending is not None:
+            self._unpin(pending[0])
+
+    def _unpin(self, hit_blocks: tuple[list["KVCacheBlock"], ...]) -> None:
+        self.cpu_pool.free_blocks([b for group in hit_blocks for b in group if not b.is_null])
+
+    def _release_load(self, load: _Load) -> None:
+        self.cpu_pool.free_blocks([self.cpu_pool.blocks[b] for b in load.cpu_ids])
+        self._release_gpu(load.gpu_ids)
+
+    def _release_gpu(self, gpu_ids: list[int]) -> None:
+        assert self.gpu_pool is not None
+        self.gpu_pool.free_blocks([self.gpu_pool.blocks[b] for b in gpu_ids])
+
+
+def _publish(pool: BlockPool, block: "KVCacheBlock", block_hash: Any) -> None:
+    """Make ``block`` findable under ``block_hash`` in ``pool``'s prefix cache."""
+    # vLLM 0.32 has no public "insert this hash" call; this is the one place
+    # coupled to a private BlockPool method.
+    pool._insert_block_hash(block_hash, block, num_tokens=None)
+
+
+def _lazy_target_blocks(kv_cache_config: KVCacheConfig, max_num_batched_tokens: int) -> int:
+    """Device blocks to keep offloaded ahead of eviction: two steps' worth of allocations."""
+    target = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            target += 2
+        elif isinstance(spec, SlidingWindowSpec):
+            target += cdiv(spec.sliding_window, spec.block_size) + 1
+        else:
+            target += cdiv(max_num_batched_tokens, spec.block_size)
+    return 2 * target
