@@ -139,7 +139,8 @@ class OffloadScheduler:
         self._cursors: dict[str, _EagerCursor] = {}
         self._next_load_job = 0
         self._next_store_job = 0
-        self._stats = OffloadStats()
+        self._stats = OffloadStats()  # drained by get_stats() every step
+        self.totals = OffloadStats()  # since start-up, for tests, the demo and logs
         logger.info(
             "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores",
             self.num_cpu_blocks, config.cpu_bytes_per_rank(self.world_size) / 2**30,
@@ -252,7 +253,8 @@ class OffloadScheduler:
                 continue
             self._finished_loading.discard(req_id)
             self._release_load(load)
-            self._stats.record_load(len(load.gpu_ids), load.num_tokens)
+            for stats in (self._stats, self.totals):
+                stats.record_load(len(load.gpu_ids), load.num_tokens)
         meta = output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata):
             for job, n in meta.stores_failed.items():
@@ -279,7 +281,8 @@ class OffloadScheduler:
         elif not store.abandoned:
             for block, block_hash in zip(cpu_blocks, store.hashes):
                 _publish(self.cpu_pool, block, block_hash)
-            self._stats.record_store(len(cpu_blocks))
+            for stats in (self._stats, self.totals):
+                stats.record_store(len(cpu_blocks))
         self.cpu_pool.free_blocks(cpu_blocks)
         self._release_gpu(store.gpu_ids)
 

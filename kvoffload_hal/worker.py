@@ -42,7 +42,8 @@ class OffloadWorker:
         self._load_error_blocks: set[int] = set()
         self._stores_done: dict[int, int] = {}
         self._stores_failed: dict[int, int] = {}
-        self._stats = OffloadStats()
+        self._stats = OffloadStats()  # drained by get_stats() every step
+        self.totals = OffloadStats()  # since start-up
 
     # ------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> None:
@@ -122,7 +123,8 @@ class OffloadWorker:
     # ------------------------------------------------------------ helpers
     def _collect(self, results: list[JobResult]) -> None:
         for r in results:
-            self._stats.record_transfer(r.direction is Direction.STORE, r.num_bytes, r.seconds, r.ok)
+            for stats in (self._stats, self.totals):
+                stats.record_transfer(r.direction is Direction.STORE, r.num_bytes, r.seconds, r.ok)
             if r.direction is Direction.LOAD:
                 req_ids, gpu_blocks = r.tag
                 # Reported finished even on failure, so the request leaves the

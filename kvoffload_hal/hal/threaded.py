@@ -173,7 +173,8 @@ class ThreadedCopyBackend(DmaCopyBackend):
                     f"within {FLUSH_TIMEOUT_S:.0f} s"
                 )
         else:
-            self._fail_unlaunched("copy thread is not running")
+            self._fail_unlaunched("copy thread is not running" if not self._closed
+                                  else "backend shut down before launch")
         self._drain_done_queue()
         results = []
         for entry in self._launched:
@@ -253,6 +254,10 @@ class ThreadedCopyBackend(DmaCopyBackend):
                 return
             if isinstance(item, _Launch):
                 self._done_q.put(_Launched(item.job, None, reason, time.perf_counter(), 0))
+            elif item is _STOP:
+                # A copy thread still busy in a launch must still find its stop marker.
+                self._submit_q.put(_STOP)
+                return
 
     def _result(self, entry: _Launched, error: str | None = None) -> JobResult:
         now = time.perf_counter()

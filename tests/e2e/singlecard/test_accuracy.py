@@ -1,0 +1,89 @@
+"""Offloading never changes a token: greedy outputs with and without the connector.
+
+The device cache holds fewer blocks than the documents need, so every document
+is evicted from the device between its first and its second use. Without the
+connector the second use recomputes everything (``num_cached_tokens == 0``);
+with it, the prefix comes back from the CPU tier (``num_cached_tokens > 0``) and
+the tokens and logprobs must match the baseline exactly.
+"""
+
+import pytest
+
+from kvoffload_hal.testing import EngineSpec, close_llm, make_llm, scheduler_connector
+from kvoffload_hal.tiny_model import synthetic_text
+
+pytestmark = pytest.mark.e2e
+
+NUM_DOCS = 8
+DOC_WORDS = 180  # ~190 tokens: 5 full blocks of 32 and a partial one
+DEVICE_BLOCKS = 24  # room for ~4 documents: the second pass finds none on the device
+
+
+def _workload():
+    docs = [synthetic_text(DOC_WORDS, seed=i) for i in range(NUM_DOCS)]
+    return [d + f" question {rnd}" for rnd in range(2) for d in docs]
+
+
+def _run(spec):
+    from vllm import SamplingParams
+
+    llm = make_llm(spec)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
+    outputs = []
+    try:
+        # One request at a time: identical batches with and without offloading.
+        for prompt in _workload():
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            completion = out.outputs[0]
+            logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids)]
+            outputs.append((out.num_cached_tokens, list(completion.token_ids), logprobs))
+        conn = scheduler_connector(llm)
+        sched = conn.scheduler if conn is not None else None
+        summary = None
+        if sched is not None:
+            summary = dict(totals=dict(sched.totals.data),
+                           pinned=sched.num_pinned_cpu_blocks(),
+                           pending=sched.has_pending_transfers())
+        return outputs, summary
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+    outputs, _ = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS))
+    # The workload must really evict: the second pass finds nothing on the device.
+    assert all(cached == 0 for cached, _, _ in outputs[NUM_DOCS:])
+    return outputs
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_outputs_identical_and_served_from_cpu(tiny_model, baseline, lazy):
+    outputs, summary = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS,
+                                       offload=True, lazy_offload=lazy))
+    for i, ((cached, tokens, logprobs), (_, base_tokens, base_logprobs)) in enumerate(
+            zip(outputs, baseline)):
+        assert tokens == base_tokens, f"request {i}: tokens differ"
+        assert logprobs == pytest.approx(base_logprobs, abs=1e-4), f"request {i}: logprobs differ"
+    second_pass = [cached for cached, _, _ in outputs[NUM_DOCS:]]
+    # Every repeated document came back from the CPU tier: 5 full blocks.
+    assert all(c == 5 * 32 for c in second_pass), second_pass
+    totals = summary["totals"]
+    assert totals["cpu_hit_tokens"] == sum(second_pass)
+    assert totals["blocks_loaded"] == sum(second_pass) // 32
+    assert totals["blocks_stored"] >= NUM_DOCS * 5
+    assert summary["pinned"] == 0 and not summary["pending"]
+
+
+def test_canary_corrupted_loads_change_outputs(tiny_model, baseline, monkeypatch):
+    """The comparison above can fail: damaged KV from the CPU tier changes tokens."""
+    from kvoffload_hal.hal import register_backend
+
+    register_backend("corrupting-cpu", "corrupting_backend:CorruptingCpuBackend")
+    monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", "corrupting-cpu")
+    monkeypatch.syspath_prepend(__file__.rsplit("/", 1)[0])
+    outputs, _ = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
+    assert all(c > 0 for c, _, _ in outputs[NUM_DOCS:])
+    differing = sum(tok != base for (_, tok, _), (_, base, _) in
+                    zip(outputs[NUM_DOCS:], baseline[NUM_DOCS:]))
+    assert differing > 0

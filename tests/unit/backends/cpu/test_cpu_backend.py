@@ -1,0 +1,154 @@
+"""Byte-for-byte store/load round trips through CpuCopyBackend over real KV layouts."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvoffload_hal.backends.cpu import CpuCopyBackend
+from kvoffload_hal.backends.cpu import backend as cpu_backend
+from kvoffload_hal.hal.backend import Direction, TransferJob
+from kvoffload_hal.hal.regions import host_bytes_per_block, host_regions_for
+
+ALIGN = 2 << 20  # Ascend's 2 MiB alignment of the K and V caches
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8]
+
+
+def _layout(name, storage, nb, dtype, bs=4, heads=2, hd=8):
+    """Views of ``storage`` (uint8) in layout ``name``; returns [(view, block_dim)]."""
+    elt = torch.empty(0, dtype=dtype).element_size()
+    flat = storage.view(dtype)
+    if name == "vllm_cpu":
+        return [(flat[:nb * heads * bs * 2 * hd].view(nb, heads, bs, 2 * hd), 0)]
+    if name == "flash_attn":
+        return [(flat[:2 * nb * bs * heads * hd].view(2, nb, bs, heads, hd), 1)]
+    if name == "cross_layer":
+        return [(flat[:nb * 3 * 2 * bs * heads * hd].view(nb, 3, 2, bs, heads, hd), 0)]
+    useful = bs * heads * hd
+    if name == "ascend_padded":  # separate K and V, each block padded by 40 elements
+        padded = useful + 40
+        return [(flat[i * nb * padded:(i + 1) * nb * padded].view(nb, padded)[:, :useful]
+                 .view(nb, bs, heads, hd), 0) for i in range(2)]
+    if name == "ascend_2mib":  # K and V at 2 MiB-aligned addresses of one buffer
+        first = (-storage.data_ptr()) % ALIGN // elt
+        return [(flat[first + i * ALIGN // elt:][:nb * useful].view(nb, bs, heads, hd), 0)
+                for i in range(2)]
+    raise AssertionError(name)
+
+
+LAYOUTS = ["vllm_cpu", "flash_attn", "cross_layer", "ascend_padded", "ascend_2mib"]
+
+
+def _storage_bytes(layout):
+    return 3 * ALIGN if layout == "ascend_2mib" else 1 << 16
+
+
+def _fill(views):
+    for v, _ in views:
+        if v.dtype.is_floating_point:
+            v.copy_(torch.randn(v.shape) * 100)
+        else:
+            v.copy_(torch.randint(-128, 128, v.shape, dtype=v.dtype))
+
+
+def _block_span_mask(views, num_bytes, blocks):
+    """True on every storage byte between the first and last byte of the given blocks."""
+    marks = torch.zeros(num_bytes, dtype=torch.uint8)
+    mask = torch.zeros(num_bytes, dtype=torch.bool)
+    for v, dim in views:
+        mv = marks.view(v.dtype).as_strided(v.shape, v.stride(), v.storage_offset())
+        for b in blocks:
+            marks.zero_()
+            mv.select(dim, b).view(torch.uint8).fill_(1)
+            idx = marks.nonzero()
+            mask[int(idx.min()):int(idx.max()) + 1] = True
+    return mask
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=st.sampled_from(LAYOUTS), dtype=st.sampled_from(DTYPES), data=st.data())
+def test_store_then_load_into_other_blocks_is_byte_exact(layout, dtype, data):
+    # A block count equal to another extent (2, 3, 4, 8, 16 here) is ambiguous by
+    # shape; test_regions covers that rule, so this test avoids it.
+    nb = data.draw(st.sampled_from([5, 6, 7, 9, 10, 11, 12]), label="num_blocks")
+    num_host = data.draw(st.integers(1, 10), label="num_host_blocks")
+    n = data.draw(st.integers(1, min(nb // 2, num_host)), label="blocks per job")
+    perm = data.draw(st.permutations(range(nb)), label="device permutation")
+    src, dst = perm[:n], perm[n:2 * n]  # load back into different device blocks
+    host_ids = data.draw(st.permutations(range(num_host)), label="host ids")[:n]
+
+    num_bytes = _storage_bytes(layout)
+    storage = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
+    views = _layout(layout, storage, nb, dtype)
+    _fill(views)
+    before = storage.clone()
+    originals = [v.clone() for v, _ in views]
+
+    backend = CpuCopyBackend()
+    try:
+        regions = [r for v, _ in views for r in backend.describe_kv_tensor(v, nb)]
+        host = backend.allocate_host(num_host * host_bytes_per_block(regions))
+        host.fill_(0xA5)
+        host_regions = host_regions_for(regions, host.data_ptr(), num_host)
+        backend.bind(regions, host_regions)
+
+        backend.submit(TransferJob(7, Direction.STORE, src, host_ids, tag="store"))
+        stored = []
+        while not stored:
+            stored = backend.poll()
+        backend.submit(TransferJob(7, Direction.LOAD, host_ids, dst, tag="load"))
+        (loaded,) = backend.flush()
+        job_bytes = n * host_bytes_per_block(regions)
+        for result, tag in ((stored[0], "store"), (loaded, "load")):
+            assert (result.ok, result.num_blocks, result.num_bytes, result.tag) == (
+                True, n, job_bytes, tag)
+
+        for (v, dim), orig in zip(views, originals):
+            for s, d in zip(src, dst):
+                assert torch.equal(v.select(dim, d), orig.select(dim, s))
+            for b in set(range(nb)) - set(dst):
+                assert torch.equal(v.select(dim, b), orig.select(dim, b))
+        # Bytes outside the destination blocks (padding, neighbours, the gap
+        # between K and V) are untouched.
+        outside = ~_block_span_mask(views, num_bytes, dst)
+        assert torch.equal(storage[outside], before[outside])
+        # Host blocks not written keep their sentinel.
+        for r in host_regions:
+            for h in set(range(num_host)) - set(host_ids):
+                off = r.base_ptr - host.data_ptr() + h * r.block_bytes
+                assert bool((host[off:off + r.block_bytes] == 0xA5).all())
+    finally:
+        backend.shutdown()
+
+
+def test_large_batch_split_across_two_threads_is_exact(monkeypatch):
+    # Force the two-thread path on a small batch of uneven (merged) descriptors.
+    monkeypatch.setattr(cpu_backend, "PARALLEL_MIN_BYTES", 1)
+    nb, block = 64, 4096
+    kv = torch.randint(0, 256, (nb, block), dtype=torch.uint8)
+    for threads in (1, 2):
+        backend = CpuCopyBackend(num_copy_threads=threads)
+        host = backend.allocate_host(nb * block)
+        host.zero_()
+        (region,) = backend.describe_kv_tensor(kv, nb)
+        backend.bind([region], host_regions_for([region], host.data_ptr(), nb))
+        src = list(range(0, 20)) + [40, 33, 50] + list(range(51, 60))
+        dst = list(range(30, 50)) + [1, 9, 2] + list(range(10, 19))
+        backend.submit(TransferJob(0, Direction.STORE, src, dst))
+        (result,) = backend.flush()
+        assert result.ok and result.num_bytes == len(src) * block
+        hv = host.view(nb, block)
+        assert torch.equal(hv[dst], kv[src])
+        untouched = sorted(set(range(nb)) - set(dst))
+        assert not hv[untouched].any()
+        backend.shutdown()
+        assert backend._helper is None
+
+
+def test_allocate_host_rejects_non_positive_sizes():
+    import pytest
+
+    with pytest.raises(ValueError, match="positive"):
+        CpuCopyBackend().allocate_host(0)
+    assert CpuCopyBackend().allocate_host(10).dtype == torch.uint8

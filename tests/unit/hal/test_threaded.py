@@ -1,0 +1,267 @@
+"""Job bookkeeping of ThreadedCopyBackend, exercised through real CPU-backend subclasses."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from kvoffload_hal.backends.cpu import CpuCopyBackend
+from kvoffload_hal.hal.backend import Direction, TransferJob
+from kvoffload_hal.hal.regions import host_regions_for
+
+BLOCK = 256
+STORE, LOAD = Direction.STORE, Direction.LOAD
+
+
+class RecordingBackend(CpuCopyBackend):
+    """Records every launch; optionally sleeps or waits on a gate before copying."""
+
+    def __init__(self, sleep_s: tuple[float, float] = (0.0, 0.0), gate: threading.Event | None = None):
+        super().__init__()
+        self.sleep_s, self.gate = sleep_s, gate
+        self.launches: list[tuple[Direction, int]] = []
+        self.stopped = False
+
+    def _launch(self, direction, batch, fence):
+        self.launches.append((direction, batch.num_bytes))
+        if self.gate is not None:
+            self.gate.wait()
+        if self.sleep_s[1]:
+            time.sleep(random.uniform(*self.sleep_s))
+        return super()._launch(direction, batch, fence)
+
+    def _stop(self):
+        self.stopped = True
+        super()._stop()
+
+
+class Rig:
+    """A backend bound to one device tensor of ``num_blocks`` distinct blocks and a host buffer."""
+
+    def __init__(self, backend: CpuCopyBackend, num_blocks: int = 16, num_host_blocks: int = 16):
+        self.backend = backend
+        self.kv = torch.arange(num_blocks * BLOCK, dtype=torch.int32).view(num_blocks, -1).to(torch.uint8)
+        self.kv += torch.arange(num_blocks, dtype=torch.uint8).view(-1, 1)  # blocks differ
+        self.original = self.kv.clone()
+        self.host = backend.allocate_host(num_host_blocks * BLOCK)
+        self.host.zero_()
+        regions = backend.describe_kv_tensor(self.kv, num_blocks)
+        backend.bind(regions, host_regions_for(regions, self.host.data_ptr(), num_host_blocks))
+
+    def host_block(self, i: int) -> torch.Tensor:
+        return self.host[i * BLOCK:(i + 1) * BLOCK]
+
+
+def _wait_for(backend, count: int, timeout_s: float = 10.0):
+    results, deadline = [], time.monotonic() + timeout_s
+    while len(results) < count and time.monotonic() < deadline:
+        results += backend.poll()
+        time.sleep(0.001)
+    return results
+
+
+@pytest.fixture
+def rig():
+    r = Rig(RecordingBackend())
+    yield r
+    r.backend.shutdown()
+
+
+def test_results_carry_job_fields_and_arrive_once(rig):
+    rig.backend.submit(TransferJob(0, STORE, [3, 4, 5, 9], [0, 1, 2, 3], tag={"req": "a"}))
+    rig.backend.submit(TransferJob(0, LOAD, [0], [12], tag="b"))
+    results = _wait_for(rig.backend, 2)
+    assert [(r.job_id, r.direction, r.ok, r.num_blocks, r.num_bytes, r.tag) for r in results] == [
+        (0, STORE, True, 4, 4 * BLOCK, {"req": "a"}),
+        (0, LOAD, True, 1, BLOCK, "b"),
+    ]
+    assert all(r.error is None and r.seconds >= 0 for r in results)
+    assert rig.backend.poll() == [] and rig.backend.num_pending == 0
+    assert torch.equal(rig.host_block(3), rig.original[9])
+    assert torch.equal(rig.kv[12], rig.original[3])
+
+
+def test_tags_survive_many_polls_and_steps(rig):
+    seen = {}
+    for step in range(50):
+        rig.backend.submit(TransferJob(step, STORE, [step % 16], [step % 16], tag=("step", step)))
+        for r in rig.backend.poll():
+            seen.setdefault(r.job_id, []).append(r.tag)
+    for r in rig.backend.flush():
+        seen.setdefault(r.job_id, []).append(r.tag)
+    assert seen == {i: [("step", i)] for i in range(50)}
+
+
+def test_resubmission_launches_once(rig):
+    job = TransferJob(5, STORE, [1], [1])
+    rig.backend.submit(job)
+    rig.backend.submit(job)
+    rig.backend.submit(TransferJob(4, STORE, [2], [2]))  # older id: ignored too
+    rig.backend.submit(TransferJob(5, LOAD, [1], [2]))  # ids are per direction
+    results = rig.backend.flush()
+    assert sorted((r.direction.value, r.job_id) for r in results) == [("load", 5), ("store", 5)]
+    assert [d for d, _ in rig.backend.launches] == [STORE, LOAD]
+    assert rig.backend.poll() == []
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "match"),
+    [([16], [0], "out of range"), ([0, 1], [3, 3], "appears twice")],
+)
+def test_invalid_job_is_a_failed_result_not_a_success(rig, src, dst, match):
+    rig.backend.submit(TransferJob(0, STORE, src, dst, tag="t"))
+    (result,) = _wait_for(rig.backend, 1)
+    assert (result.ok, result.num_bytes, result.tag) == (False, 0, "t")
+    assert "ValueError" in result.error and match in result.error
+    assert rig.backend.launches == [] and torch.count_nonzero(rig.host) == 0
+    # The backend keeps working after a failed job.
+    rig.backend.submit(TransferJob(1, STORE, [0], [0]))
+    assert [r.ok for r in rig.backend.flush()] == [True]
+
+
+def test_failing_launch_is_reported_as_failed():
+    class Failing(CpuCopyBackend):
+        def _launch(self, direction, batch, fence):
+            raise OSError("DMA engine on fire")
+
+    r = Rig(Failing())
+    r.backend.submit(TransferJob(0, LOAD, [1], [1]))
+    (result,) = r.backend.flush()
+    assert not result.ok and result.error == "OSError: DMA engine on fire" and result.num_bytes == 0
+    r.backend.shutdown()
+
+
+def test_submit_before_bind_and_double_bind_raise():
+    b = CpuCopyBackend()
+    with pytest.raises(RuntimeError, match="bind"):
+        b.submit(TransferJob(0, STORE, [0], [0]))
+    r = Rig(b)
+    with pytest.raises(RuntimeError, match="already bound"):
+        b.bind([], [])
+    r.backend.shutdown()
+    with pytest.raises(ValueError, match="regions"):
+        CpuCopyBackend().bind(b._regions[0], [])
+
+
+def test_flush_waits_for_queued_and_launched_jobs():
+    gate = threading.Event()
+    r = Rig(RecordingBackend(gate=gate))
+    for i in range(3):
+        r.backend.submit(TransferJob(i, STORE, [i], [i]))
+    time.sleep(0.05)
+    assert len(r.backend.launches) <= 1  # job 0 is held at the gate; 1 and 2 are queued
+    threading.Timer(0.2, gate.set).start()
+    start = time.monotonic()
+    results = r.backend.flush()
+    assert time.monotonic() - start >= 0.15
+    assert [(x.job_id, x.ok) for x in results] == [(0, True), (1, True), (2, True)]
+    assert all(torch.equal(r.host_block(i), r.original[i]) for i in range(3))
+    assert r.backend.poll() == [] and r.backend.flush() == [] and r.backend.num_pending == 0
+    r.backend.shutdown()
+
+
+def test_shutdown_with_a_stuck_copy_returns_within_its_timeout():
+    gate = threading.Event()
+    r = Rig(RecordingBackend(gate=gate))
+    for i in range(3):
+        r.backend.submit(TransferJob(i, STORE, [i], [i]))
+    start = time.monotonic()
+    r.backend.shutdown(timeout_s=0.3)
+    assert time.monotonic() - start < 2.0
+    r.backend.shutdown(timeout_s=0.3)  # idempotent and immediate
+    assert time.monotonic() - start < 2.0
+    with pytest.raises(RuntimeError, match="shut down"):
+        r.backend.submit(TransferJob(3, STORE, [3], [3]))
+    # A flush after a shutdown that gave up must not wait for a barrier nobody reaches.
+    start = time.monotonic()
+    results = r.backend.flush()
+    assert time.monotonic() - start < 2.0
+    gate.set()
+    r.backend._thread.join(5)
+    assert not r.backend._thread.is_alive()
+    # Nothing queued at shutdown is launched afterwards: the memory may be gone.
+    assert len(r.backend.launches) == 1
+    results += _wait_for(r.backend, 3 - len(results), timeout_s=2)
+    assert sorted(x.job_id for x in results if not x.ok) == [1, 2]
+    assert not r.backend.stopped  # resources left alone while the thread was busy
+
+
+def test_shutdown_waits_for_in_flight_jobs_and_stops():
+    r = Rig(RecordingBackend(sleep_s=(0.02, 0.02)))
+    for i in range(4):
+        r.backend.submit(TransferJob(i, STORE, [i], [i]))
+    r.backend.shutdown(timeout_s=5)
+    assert len(r.backend.launches) == 4 and r.backend.stopped
+    assert all(torch.equal(r.host_block(i), r.original[i]) for i in range(4))
+
+
+def test_stress_one_engine_thread_many_jobs_with_random_launch_delays():
+    nb, num_jobs, load_dsts = 32, 400, range(24, 32)
+    r = Rig(RecordingBackend(sleep_s=(0.0, 0.0005)), num_blocks=nb, num_host_blocks=num_jobs + 8)
+    # Host blocks num_jobs.. hold patterns the loads bring back to device blocks 24..31.
+    for h in range(8):
+        r.host_block(num_jobs + h).fill_(200 + h)
+    rng = random.Random(0)
+    seen: dict[tuple[str, int], list] = {}
+    expected_load_src = {}
+    store_id = load_id = 0
+
+    def record(results):
+        for x in results:
+            seen.setdefault((x.direction.value, x.job_id), []).append(x)
+
+    for step in range(num_jobs):
+        # Stores read device blocks 0..23 only; loads write 24..31 only.
+        r.backend.submit(TransferJob(store_id, STORE, [step % 24], [step], tag=("s", step)))
+        store_id += 1
+        if rng.random() < 0.5:
+            src, dst = num_jobs + rng.randrange(8), rng.choice(load_dsts)
+            r.backend.submit(TransferJob(load_id, LOAD, [src], [dst], tag=("l", load_id)))
+            expected_load_src[dst] = src
+            load_id += 1
+        if rng.random() < 0.3:
+            record(r.backend.poll())
+    record(r.backend.flush())
+    assert r.backend.poll() == [] and r.backend.num_pending == 0
+    assert len(seen) == store_id + load_id
+    for (direction, job_id), results in seen.items():
+        assert len(results) == 1
+        (x,) = results
+        assert x.ok and x.num_bytes == BLOCK and x.tag == (direction[0], job_id)
+    for step in range(num_jobs):
+        assert torch.equal(r.host_block(step), r.original[step % 24])
+    for dst, src in expected_load_src.items():  # the last load into a block wins
+        assert torch.equal(r.kv[dst], r.host_block(src))
+    r.backend.shutdown()
+
+
+def test_independent_backends_from_several_threads():
+    errors = []
+
+    def worker(seed: int) -> None:
+        try:
+            r = Rig(RecordingBackend(sleep_s=(0.0, 0.0002)), num_blocks=16, num_host_blocks=64)
+            got = []
+            for i in range(64):
+                r.backend.submit(TransferJob(i, STORE, [(i + seed) % 16], [i], tag=seed))
+                got += r.backend.poll()
+            got += r.backend.flush()
+            assert sorted(x.job_id for x in got) == list(range(64))
+            assert all(x.ok and x.tag == seed for x in got)
+            for i in range(64):
+                assert torch.equal(r.host_block(i), r.original[(i + seed) % 16])
+            r.backend.shutdown()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
