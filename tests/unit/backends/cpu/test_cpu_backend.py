@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -122,28 +123,30 @@ def test_store_then_load_into_other_blocks_is_byte_exact(layout, dtype, data):
         backend.shutdown()
 
 
-def test_large_batch_split_across_two_threads_is_exact(monkeypatch):
-    # Force the two-thread path on a small batch of uneven (merged) descriptors.
-    monkeypatch.setattr(cpu_backend, "PARALLEL_MIN_BYTES", 1)
-    nb, block = 64, 4096
+@pytest.mark.parametrize("path", ["extension-1-thread", "extension-2-threads", "python-loop"])
+def test_large_uneven_batch_is_exact_on_every_copy_path(monkeypatch, path):
+    # 2 MiB of uneven (merged) descriptors: above the extension's 1 MiB split threshold.
+    if path == "python-loop":
+        monkeypatch.setattr(cpu_backend, "_hostcopy", None)
+    elif cpu_backend._hostcopy is None:
+        pytest.skip("the _hostcopy extension is not built")
+    nb, block = 64, 64 * 1024
     kv = torch.randint(0, 256, (nb, block), dtype=torch.uint8)
-    for threads in (1, 2):
-        backend = CpuCopyBackend(num_copy_threads=threads)
-        host = backend.allocate_host(nb * block)
-        host.zero_()
-        (region,) = backend.describe_kv_tensor(kv, nb)
-        backend.bind([region], host_regions_for([region], host.data_ptr(), nb))
-        src = list(range(0, 20)) + [40, 33, 50] + list(range(51, 60))
-        dst = list(range(30, 50)) + [1, 9, 2] + list(range(10, 19))
-        backend.submit(TransferJob(0, Direction.STORE, src, dst))
-        (result,) = backend.flush()
-        assert result.ok and result.num_bytes == len(src) * block
-        hv = host.view(nb, block)
-        assert torch.equal(hv[dst], kv[src])
-        untouched = sorted(set(range(nb)) - set(dst))
-        assert not hv[untouched].any()
-        backend.shutdown()
-        assert backend._helper is None
+    backend = CpuCopyBackend(num_copy_threads=2 if path.endswith("2-threads") else 1)
+    host = backend.allocate_host(nb * block)
+    host.zero_()
+    (region,) = backend.describe_kv_tensor(kv, nb)
+    backend.bind([region], host_regions_for([region], host.data_ptr(), nb))
+    src = list(range(0, 20)) + [40, 33, 50] + list(range(51, 60))
+    dst = list(range(30, 50)) + [1, 9, 2] + list(range(10, 19))
+    backend.submit(TransferJob(0, Direction.STORE, src, dst))
+    (result,) = backend.flush()
+    backend.shutdown()
+    assert result.ok and result.num_bytes == len(src) * block
+    hv = host.view(nb, block)
+    assert torch.equal(hv[dst], kv[src])
+    untouched = sorted(set(range(nb)) - set(dst))
+    assert not hv[untouched].any()
 
 
 def test_allocate_host_rejects_non_positive_sizes():
