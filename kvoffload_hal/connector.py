@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -102,7 +103,12 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished(finished_req_ids)
+        sending, recving, _ = self.worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

@@ -131,7 +131,6 @@ class OffloadScheduler:
 
         self._pending_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int]] = {}
         self._loads: dict[str, _Load] = {}
-        self._finished_loading: set[str] = set()  # finished while their load is in flight
         self._stores: dict[int, _Store] = {}
         self._queued_stores: list[tuple[list[int], list[int], list[Any]]] = []
         self._in_flight_gpu: set[int] = set()  # device blocks with a store queued or running
@@ -247,11 +246,18 @@ class OffloadScheduler:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        invalid = output.invalid_block_ids or set()
+        failed = output.failed_recving or set()
         for req_id in output.finished_recving or ():
             load = self._loads.pop(req_id, None)
             if load is None:
                 continue
-            self._finished_loading.discard(req_id)
+            if req_id in failed or invalid.intersection(load.gpu_ids):
+                # vLLM recomputes the request's KV. Stop offering this copy, or
+                # the retry would hit it and fail the same way again.
+                self.cpu_pool.evict_blocks(set(load.cpu_ids))
+                self._release_load(load)
+                continue
             self._release_load(load)
             for stats in (self._stats, self.totals):
                 stats.record_load(len(load.gpu_ids), load.num_tokens)
@@ -289,6 +295,7 @@ class OffloadScheduler:
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: "Request",
                          block_ids: tuple[list[int], ...] | list[int]) -> tuple[bool, None]:
+        """Returns True while a load for the request is in flight (blocks freed later)."""
         req_id = request.request_id
         self._release_pending_hit(req_id)
         cursor = self._cursors.pop(req_id, None)
@@ -300,10 +307,11 @@ class OffloadScheduler:
         if load is not None and load.job_id == NO_JOB:
             del self._loads[req_id]  # never sent to a worker: nothing in flight
             self._release_load(load)
-        # A load in flight keeps its pins until finished_recving reports it.
-        # Device blocks of stores are pinned by the store job, so vLLM may free
-        # the request's blocks right away.
-        return False, None
+            load = None
+        # A load in flight will still be reported in finished_recving: vLLM must
+        # keep the request (and free its blocks) until then. Device blocks of
+        # stores are pinned by the store job, so they never delay the request.
+        return load is not None, None
 
     # -------------------------------------------------------------- stores
     def _select_eager_stores(self, scheduler_output: SchedulerOutput) -> None:

@@ -34,11 +34,15 @@ class OffloadWorker:
                  config: OffloadConfig) -> None:
         world_size = vllm_config.parallel_config.world_size
         self.num_gpu_blocks = kv_cache_config.num_blocks
+        # vLLM maps block-level load errors back to requests only with one KV
+        # cache group (block ids are per group); HMA configs report requests.
+        self.report_failed_blocks = len(kv_cache_config.kv_cache_groups) == 1
         self.num_cpu_blocks = num_cpu_blocks(kv_cache_config, config.cpu_bytes_per_rank(world_size))
         self.backend: DmaCopyBackend | None = None
         self.host_buffer: torch.Tensor | None = None
         self._metadata: OffloadMetadata | None = None
         self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
         self._load_error_blocks: set[int] = set()
         self._stores_done: dict[int, int] = {}
         self._stores_failed: dict[int, int] = {}
@@ -77,9 +81,14 @@ class OffloadWorker:
         if metadata.need_flush and self.backend is not None:
             self._collect(self.backend.flush())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """Launch this step's jobs, collect finished ones.
+
+        Returns ``(finished_sending, finished_recving, failed_recving)``; a failed
+        load is in both of the last two, so the request leaves its wait state.
+        """
         if self.backend is None:
-            return None, None
+            return set(), set(), set()
         meta = self._metadata
         if meta is not None:
             # Job ids are idempotent in the backend: a second call with the same
@@ -94,7 +103,8 @@ class OffloadWorker:
                     meta.load_gpu_blocks, tag=(tuple(meta.load_req_ids), tuple(meta.load_gpu_blocks))))
         self._collect(self.backend.poll())
         finished, self._finished_recving = self._finished_recving, set()
-        return None, finished or None
+        failed, self._failed_recving = self._failed_recving, set()
+        return set(), finished, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_error_blocks = self._load_error_blocks, set()
@@ -128,12 +138,15 @@ class OffloadWorker:
             if r.direction is Direction.LOAD:
                 req_ids, gpu_blocks = r.tag
                 # Reported finished even on failure, so the request leaves the
-                # waiting state; the failed blocks are recomputed by vLLM.
+                # waiting state; vLLM then recomputes what did not arrive.
                 self._finished_recving.update(req_ids)
                 if not r.ok:
                     logger.error("load job %d failed (%s); %d blocks will be recomputed",
                                  r.job_id, r.error, len(gpu_blocks))
-                    self._load_error_blocks.update(gpu_blocks)
+                    if self.report_failed_blocks:
+                        self._load_error_blocks.update(gpu_blocks)
+                    else:
+                        self._failed_recving.update(req_ids)
             elif r.ok:
                 self._stores_done[r.job_id] = 1
             else:

@@ -1,0 +1,226 @@
+"""ctypes bindings to the few AscendCL (``libascendcl.so``) calls the NPU backend needs.
+
+Nothing here imports torch_npu or touches a device at import time; the library
+is opened only by :func:`load_acl_library`, the one place that decides which
+file is loaded (``KVOFFLOAD_HAL_ACL_LIBRARY`` points it elsewhere, e.g. at the
+fake runtime the unit tests compile).
+
+Calls bound (signatures from the CANN runtime API reference):
+
+* ``aclrtMemcpyBatchAsyncV2(dsts, destMaxs, srcs, sizes, numBatches, attrs,
+  attrsIndexes, numAttrs, stream)`` (CANN 9.1+),
+* ``aclrtMemcpyBatchAsync(...same..., size_t *failIndex, stream)`` (CANN 8.3.RC1+,
+  Atlas A2/A3),
+* ``aclrtMemcpyAsync(dst, destMax, src, count, kind, stream)``, the per-copy
+  fallback for older runtimes,
+* ``aclrtMallocHost(void **hostPtr, size_t size)`` / ``aclrtFreeHost(void *)``.
+
+Contract of :meth:`AclRuntime.memcpy_batch`: enqueue every descriptor on the
+raw ``aclrtStream`` and return without waiting (given pinned host memory);
+raise :class:`AclError` on the first failed call, naming the descriptor index
+when the runtime reports one. Copies within one call are unordered, exactly as
+the runtime documents for a batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvoffload_hal.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: Environment variable naming the ACL runtime library to load (tests point it at a fake).
+ACL_LIBRARY_ENV = "KVOFFLOAD_HAL_ACL_LIBRARY"
+DEFAULT_ACL_LIBRARY = "libascendcl.so"
+
+# aclrtMemLocationType (acl_rt.h): HOST=0, DEVICE=1. HOST is supported from CANN 8.1.RC1.
+ACL_MEM_LOCATION_TYPE_HOST = 0
+ACL_MEM_LOCATION_TYPE_DEVICE = 1
+# aclrtMemcpyKind for the per-copy fallback.
+ACL_MEMCPY_HOST_TO_DEVICE = 1
+ACL_MEMCPY_DEVICE_TO_HOST = 2
+ACL_SUCCESS = 0
+# failIndex is SIZE_MAX when the error is not tied to one descriptor.
+SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
+
+BATCH_V2 = "aclrtMemcpyBatchAsyncV2"
+BATCH_V1 = "aclrtMemcpyBatchAsync"
+PER_COPY = "aclrtMemcpyAsync"
+
+
+class AclError(RuntimeError):
+    """An ACL call returned a non-zero ``aclError``."""
+
+
+class AclMemLocation(ctypes.Structure):
+    """``aclrtMemLocation``: ``id`` FIRST, then ``type`` (the reverse of CUDA's CUmemLocation)."""
+
+    _fields_ = [("id", ctypes.c_uint32), ("type", ctypes.c_int)]
+
+
+class AclMemcpyBatchAttr(ctypes.Structure):
+    """``aclrtMemcpyBatchAttr``: ``dstLoc`` FIRST, then ``srcLoc``, then 16 reserved zero bytes."""
+
+    _fields_ = [
+        ("dstLoc", AclMemLocation),
+        ("srcLoc", AclMemLocation),
+        ("rsv", ctypes.c_uint8 * 16),
+    ]
+
+
+# A wrong layout would make the runtime read garbage locations: fail at import instead.
+assert ctypes.sizeof(AclMemcpyBatchAttr) == 32, ctypes.sizeof(AclMemcpyBatchAttr)
+
+_P = ctypes.c_void_p
+_PSIZE = ctypes.POINTER(ctypes.c_size_t)
+_PATTR = ctypes.POINTER(AclMemcpyBatchAttr)
+_BATCH_COMMON = [_P, _PSIZE, _P, _PSIZE, ctypes.c_size_t, _PATTR, _PSIZE, ctypes.c_size_t]
+
+
+def load_acl_library() -> ctypes.CDLL:
+    """Open the ACL runtime: ``$KVOFFLOAD_HAL_ACL_LIBRARY`` or ``libascendcl.so``.
+
+    Raises ``OSError`` when the library cannot be loaded. Loading it does not
+    initialise a device (only ``aclInit``/``aclrtSetDevice`` would).
+    """
+    return ctypes.CDLL(os.environ.get(ACL_LIBRARY_ENV) or DEFAULT_ACL_LIBRARY)
+
+
+def _has(lib: ctypes.CDLL, symbol: str) -> bool:
+    try:
+        getattr(lib, symbol)
+    except AttributeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Pointers:
+    """numpy views kept alive for the duration of one ACL call."""
+
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+
+
+class AclRuntime:
+    """The bound ACL calls and the batch path chosen for this runtime.
+
+    Batch symbol order: ``aclrtMemcpyBatchAsyncV2`` first, then the 10-argument
+    ``aclrtMemcpyBatchAsync``, then a loop of ``aclrtMemcpyAsync``. V2 goes first
+    because CANN 9.1 routes its own C++ overloads through it, while the
+    10-argument form is documented as a trial feature that may change; its
+    only extra, ``failIndex``, reports attribute and direction validation
+    errors, and with one attribute and one direction per call built here those
+    cannot point at a particular copy. Where V2 is missing (CANN 8.3-9.0) the
+    10-argument form is used and its ``failIndex`` is put in the error message.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, max_batch_descriptors: int = 8192) -> None:
+        if max_batch_descriptors <= 0:
+            raise ValueError(f"max_batch_descriptors must be positive, got {max_batch_descriptors}")
+        self.lib = lib
+        self.max_batch_descriptors = max_batch_descriptors
+        if _has(lib, BATCH_V2):
+            self.path = BATCH_V2
+            self._batch = lib.aclrtMemcpyBatchAsyncV2
+            self._batch.argtypes = [*_BATCH_COMMON, _P]
+        elif _has(lib, BATCH_V1):
+            self.path = BATCH_V1
+            self._batch = lib.aclrtMemcpyBatchAsync
+            self._batch.argtypes = [*_BATCH_COMMON, _PSIZE, _P]
+        else:
+            self.path = PER_COPY
+            self._batch = None
+        if self._batch is not None:
+            self._batch.restype = ctypes.c_int
+        self._copy = lib.aclrtMemcpyAsync
+        self._copy.argtypes = [_P, ctypes.c_size_t, _P, ctypes.c_size_t, ctypes.c_int, _P]
+        self._copy.restype = ctypes.c_int
+        self._malloc_host = lib.aclrtMallocHost
+        self._malloc_host.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        self._malloc_host.restype = ctypes.c_int
+        self._free_host = lib.aclrtFreeHost
+        self._free_host.argtypes = [_P]
+        self._free_host.restype = ctypes.c_int
+
+    # ------------------------------------------------------------ host memory
+    def malloc_host(self, num_bytes: int) -> int:
+        """Pinned host memory (64-byte aligned) of ``num_bytes``; returns its address."""
+        ptr = ctypes.c_void_p()
+        ret = self._malloc_host(ctypes.byref(ptr), num_bytes)
+        if ret != ACL_SUCCESS or not ptr.value:
+            raise AclError(f"aclrtMallocHost({num_bytes} bytes) failed with aclError {ret}")
+        return ptr.value
+
+    def free_host(self, ptr: int) -> None:
+        ret = self._free_host(ptr)
+        if ret != ACL_SUCCESS:
+            raise AclError(f"aclrtFreeHost(0x{ptr:x}) failed with aclError {ret}")
+
+    # ----------------------------------------------------------------- copies
+    def memcpy_batch(self, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np.ndarray,
+                     to_device: bool, device_id: int, stream: int) -> int:
+        """Enqueue ``sizes[k]`` bytes ``src_ptrs[k] -> dst_ptrs[k]`` on ``stream``; return ACL calls made.
+
+        ``to_device`` is the single direction of the whole call (host->device
+        when true); the runtime rejects batches that mix directions.
+        """
+        dsts = np.ascontiguousarray(dst_ptrs, dtype=np.uint64)
+        srcs = np.ascontiguousarray(src_ptrs, dtype=np.uint64)
+        lens = np.ascontiguousarray(sizes, dtype=np.uint64)
+        if not (dsts.size == srcs.size == lens.size):
+            raise ValueError(f"descriptor arrays differ in length: {dsts.size}, {srcs.size}, {lens.size}")
+        if self._batch is None:
+            return self._copy_each(dsts, srcs, lens, to_device, stream)
+        attr = self._attr(to_device, device_id)
+        calls = 0
+        for start in range(0, lens.size, self.max_batch_descriptors):
+            stop = min(start + self.max_batch_descriptors, lens.size)
+            self._batch_call(_Pointers(dsts[start:stop], srcs[start:stop], lens[start:stop]),
+                             attr, start, stream)
+            calls += 1
+        return calls
+
+    @staticmethod
+    def _attr(to_device: bool, device_id: int) -> AclMemcpyBatchAttr:
+        device = AclMemLocation(device_id, ACL_MEM_LOCATION_TYPE_DEVICE)
+        host = AclMemLocation(0, ACL_MEM_LOCATION_TYPE_HOST)
+        attr = AclMemcpyBatchAttr()  # ctypes zero-fills rsv, which the runtime requires
+        attr.dstLoc, attr.srcLoc = (device, host) if to_device else (host, device)
+        return attr
+
+    def _batch_call(self, p: _Pointers, attr: AclMemcpyBatchAttr, first: int, stream: int) -> None:
+        count = p.sizes.size
+        size_p = p.sizes.ctypes.data_as(_PSIZE)
+        # One attribute covering every copy: attrsIndexes = [0], numAttrs = 1.
+        # destMaxs = sizes: each destination block is exactly as large as its copy.
+        attrs_index = (ctypes.c_size_t * 1)(0)
+        args = [p.dsts.ctypes.data, size_p, p.srcs.ctypes.data, size_p, count,
+                ctypes.byref(attr), attrs_index, 1]
+        if self.path == BATCH_V2:
+            ret = self._batch(*args, stream)
+            if ret != ACL_SUCCESS:
+                raise AclError(f"{BATCH_V2} of {count} copies (from descriptor {first}) "
+                               f"failed with aclError {ret}")
+            return
+        fail_index = ctypes.c_size_t(SIZE_MAX)
+        ret = self._batch(*args, ctypes.byref(fail_index), stream)
+        if ret != ACL_SUCCESS:
+            where = ("not tied to one copy" if fail_index.value == SIZE_MAX
+                     else f"failIndex {first + fail_index.value}")
+            raise AclError(f"{BATCH_V1} of {count} copies failed with aclError {ret} ({where})")
+
+    def _copy_each(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray,
+                   to_device: bool, stream: int) -> int:
+        kind = ACL_MEMCPY_HOST_TO_DEVICE if to_device else ACL_MEMCPY_DEVICE_TO_HOST
+        for k, (dst, src, n) in enumerate(zip(dsts.tolist(), srcs.tolist(), lens.tolist())):
+            ret = self._copy(dst, n, src, n, kind, stream)
+            if ret != ACL_SUCCESS:
+                raise AclError(f"{PER_COPY} of descriptor {k} ({n} bytes) failed with aclError {ret}")
+        return int(lens.size)

@@ -1,0 +1,60 @@
+"""CPU-backend subclasses that misbehave on purpose (real copies, real queues).
+
+Selected through the registry like any plugin backend, so the connector under
+test runs its normal code path.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvoffload_hal.backends.cpu import CpuCopyBackend
+from kvoffload_hal.hal import CopyBatch, Direction, register_backend
+
+launches: list[tuple[str, int]] = []  # (direction, descriptors) of every launch, in order
+
+
+class SlowCpuBackend(CpuCopyBackend):
+    """Each launch takes a while, so jobs stay in flight across engine steps."""
+
+    name = "slow-cpu"
+    delay_s = 0.004
+
+    def _launch(self, direction, batch, fence):
+        time.sleep(self.delay_s)
+        return super()._launch(direction, batch, fence)
+
+
+class CountingCpuBackend(CpuCopyBackend):
+    name = "counting-cpu"
+
+    def _launch(self, direction, batch, fence):
+        launches.append((direction.value, len(batch)))
+        return super()._launch(direction, batch, fence)
+
+
+class FailingLoadsBackend(CpuCopyBackend):
+    """Every load copies half of its descriptors, then fails (a torn load)."""
+
+    name = "failing-loads"
+
+    def _launch(self, direction, batch, fence):
+        if direction is Direction.LOAD:
+            half = len(batch) // 2
+            super()._launch(direction, CopyBatch(batch.src_ptrs[:half], batch.dst_ptrs[:half],
+                                                 batch.sizes[:half]), fence)
+            raise RuntimeError("injected load failure")
+        return super()._launch(direction, batch, fence)
+
+
+class FailingStoresBackend(CpuCopyBackend):
+    name = "failing-stores"
+
+    def _launch(self, direction, batch, fence):
+        if direction is Direction.STORE:
+            raise RuntimeError("injected store failure")
+        return super()._launch(direction, batch, fence)
+
+
+for _cls in (SlowCpuBackend, CountingCpuBackend, FailingLoadsBackend, FailingStoresBackend):
+    register_backend(_cls.name, f"{__name__}:{_cls.__name__}")

@@ -1,0 +1,29 @@
+"""Python side of the fake libascendcl: its test hooks (call counts, last arguments)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+
+class FakeAcl:
+    """The test hooks of one loaded fake library variant."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lib = ctypes.CDLL(str(path))
+        for fn in ("fake_max_num_batches", "fake_last_num_batches", "fake_last_num_attrs",
+                   "fake_last_attr_index0", "fake_last_stream"):
+            getattr(self.lib, fn).restype = ctypes.c_size_t
+        for fn in ("fake_v1_calls", "fake_v2_calls", "fake_copy_calls", "fake_total_calls",
+                   "fake_live_host_allocs"):
+            getattr(self.lib, fn).restype = ctypes.c_long
+        self.lib.fake_reset()
+
+    def __getattr__(self, name: str):
+        return getattr(self.lib, f"fake_{name}")
+
+    def attr_bytes(self) -> bytes:
+        buf = (ctypes.c_uint8 * 32)()
+        self.lib.fake_last_attr_bytes(buf)
+        return bytes(buf)

@@ -1,0 +1,8 @@
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from kvoffload_hal.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))

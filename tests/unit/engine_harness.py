@@ -1,0 +1,238 @@
+"""vLLM's real scheduler and both connector roles, around a model that checks its KV.
+
+No model weights run here. :class:`FakeModel` plays the model runner: for every
+token it "computes" it writes bytes derived from the whole prefix up to that
+token into the token's KV slot, and before computing it verifies the KV of the
+prefix it would attend to: tokens served by the device prefix cache or loaded
+back from the CPU tier must hold exactly the bytes of the prefix they claim.
+A wrong block, a stale block, or a load that lands late fails the check.
+
+Everything else is real: vLLM's ``Scheduler`` and ``KVCacheManager``, the
+scheduler-role and worker-role ``HALOffloadConnector``, the CPU copy backend
+(or a test subclass), host memory and the KV tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvoffload_hal.testing import set_inprocess_env
+
+set_inprocess_env()
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvoffload_hal.connector import HALOffloadConnector  # noqa: E402
+
+HEADS, HEAD_DIM = 1, 32  # one KV "page" per token: 2 (K, V) x 1 x 32 bf16 = 128 bytes
+VOCAB = 97
+
+
+def token_kv(prefix_digest: bytes) -> torch.Tensor:
+    """The bytes a token's K and V hold: a function of the whole prefix up to it."""
+    raw = (prefix_digest * (2 * HEADS * HEAD_DIM * 2 // len(prefix_digest) + 1))
+    return torch.frombuffer(bytearray(raw[: 2 * HEADS * HEAD_DIM * 2]), dtype=torch.uint8)
+
+
+@dataclass
+class FakeModel:
+    """Writes and checks per-token KV in the real KV tensors, group by group."""
+
+    kv: dict[int, torch.Tensor]  # group -> uint8 view [num_blocks, block_size, bytes per token]
+    block_sizes: list[int]
+    windows: list[int | None]
+    digests: dict[str, list[bytes]] = field(default_factory=dict)  # req -> per-token prefix digest
+    checked_tokens: int = 0
+
+    def _digests(self, req: Request) -> list[bytes]:
+        have = self.digests.setdefault(req.request_id, [])
+        tokens = req.all_token_ids
+        while len(have) < len(tokens):
+            prev = have[-1] if have else b""
+            have.append(hashlib.blake2b(prev + tokens[len(have)].to_bytes(4, "little"),
+                                        digest_size=16).digest())
+        return have
+
+    def run(self, req: Request, block_ids: tuple[list[int], ...], start: int, end: int) -> None:
+        digests = self._digests(req)
+        for g, kv in self.kv.items():
+            bs, window = self.block_sizes[g], self.windows[g]
+            lo = 0 if window is None else max(0, start - window + 1)
+            for pos in range(lo, start):  # what attention reads
+                block = block_ids[g][pos // bs]
+                got = kv[block, pos % bs]
+                want = token_kv(digests[pos])
+                assert torch.equal(got, want), (
+                    f"request {req.request_id}: group {g} token {pos} (block {block}) holds "
+                    f"the wrong KV")
+                self.checked_tokens += 1
+            for pos in range(start, end):  # what this step writes
+                kv[block_ids[g][pos // bs], pos % bs] = token_kv(digests[pos])
+
+    def next_token(self, req: Request) -> int:
+        return self._digests(req)[-1][0] % VOCAB
+
+
+class Engine:
+    """One scheduler + one worker connector + the fake model, stepped by hand."""
+
+    def __init__(self, model_dir: str, *, num_gpu_blocks: int, cpu_blocks: int,
+                 block_size: int = 16, lazy: bool = False, sliding_window: int | None = None,
+                 max_num_batched_tokens: int = 512, max_num_seqs: int = 32,
+                 world_size_reports: int = 1) -> None:
+        self.block_size = block_size
+        groups = [FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
+                                    head_size=HEAD_DIM, dtype=torch.bfloat16)]
+        if sliding_window is not None:
+            groups.append(SlidingWindowSpec(block_size=block_size, num_kv_heads=HEADS,
+                                            head_size=HEAD_DIM, dtype=torch.bfloat16,
+                                            sliding_window=sliding_window))
+        page = groups[0].page_size_bytes
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_gpu_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=page * num_gpu_blocks,
+                                            layers=[f"layer.{g}" for g in range(len(groups))],
+                                            layer_stride=page * num_gpu_blocks, block_stride=page)],
+            kv_cache_groups=[KVCacheGroupSpec([f"layer.{g}"], spec) for g, spec in enumerate(groups)],
+        )
+        cpu_bytes = cpu_blocks * page
+        args = EngineArgs(
+            model=model_dir, block_size=block_size, enable_prefix_caching=True,
+            max_model_len=2048, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enforce_eager=True,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="HALOffloadConnector", kv_role="kv_both",
+                kv_connector_module_path="kvoffload_hal.connector",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, "lazy_offload": lazy}),
+        )
+        self.vllm_config = args.create_engine_config()
+        self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks  # set by profiling in vLLM
+        self.scheduler = Scheduler(self.vllm_config, self.kv_cache_config,
+                                   StructuredOutputManager(self.vllm_config),
+                                   block_size=block_size)
+        self.connector: HALOffloadConnector = self.scheduler.connector
+        self.offload = self.connector.scheduler
+        # One KV tensor shared by the groups' layers, as vLLM's HMA allocates it.
+        self.kv_storage = torch.zeros(num_gpu_blocks, block_size, 2 * HEADS * HEAD_DIM,
+                                      dtype=torch.bfloat16)
+        self.worker = HALOffloadConnector(self.vllm_config, KVConnectorRole.WORKER,
+                                          self.kv_cache_config)
+        self.worker.register_kv_caches({f"layer.{g}": self.kv_storage for g in range(len(groups))})
+        as_bytes = self.kv_storage.view(torch.uint8).view(num_gpu_blocks, block_size, -1)
+        self.model = FakeModel({g: as_bytes for g in range(len(groups))},
+                               [block_size] * len(groups),
+                               [None] + ([sliding_window] if sliding_window else []))
+        init_none_hash(get_hash_fn_by_name("sha256"))
+        self._hasher = get_request_block_hasher(block_size, get_hash_fn_by_name("sha256"))
+        self.world_size_reports = world_size_reports
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.steps = 0
+
+    # ------------------------------------------------------------ requests
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+        req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                     temperature=0.0), None,
+                      block_hasher=self._hasher)
+        self.scheduler.add_request(req)
+        self.outputs[req_id] = []
+        return req
+
+    def abort(self, req_ids: list[str]) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        self.finished.update(req_ids)
+
+    # --------------------------------------------------------------- steps
+    def step(self) -> None:
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        self.worker.handle_preemptions(meta)
+        self.worker.bind_connector_metadata(meta)
+        req_ids, sampled = [], []
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            self.model.run(req, block_ids, end - n, end)
+            req_ids.append(req_id)
+            done_prefill = end >= req.num_tokens
+            sampled.append([self.model.next_token(req)] if done_prefill else [])
+        results = self.worker.get_transfer_results(so.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        worker_meta = self.worker.build_connector_worker_meta()
+        if worker_meta is not None and self.world_size_reports > 1:
+            for _ in range(self.world_size_reports - 1):
+                worker_meta = worker_meta.aggregate(worker_meta)
+        self.worker.clear_connector_metadata()
+        output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=results.finished_recving,
+                failed_recving=results.failed_recving,
+                kv_connector_worker_meta=worker_meta, invalid_block_ids=errors),
+        )
+        engine_outputs = self.scheduler.update_from_output(so, output)
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                self.outputs[o.request_id].extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+        self.steps += 1
+        if not so.num_scheduled_tokens:
+            time.sleep(0.001)  # an idle engine step is short: let the copy thread run
+
+    def run_until_done(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and not self.offload.has_pending_transfers():
+                return
+            self.step()
+        raise AssertionError(
+            f"not done after {max_steps} steps: requests "
+            f"{ {r: q.status.name for r, q in self.scheduler.requests.items()} }, loads "
+            f"{ {r: ld.job_id for r, ld in self.offload._loads.items()} }, stores "
+            f"{ {j: st.reports for j, st in self.offload._stores.items()} }, backend pending "
+            f"{self.worker.worker.backend.num_pending}")
+
+    def drain(self, max_steps: int = 200) -> None:
+        """Idle steps until every copy in flight has been reported."""
+        for _ in range(max_steps):
+            if not self.offload.has_pending_transfers():
+                return
+            time.sleep(0.002)  # idle steps are short: give the copy thread the GIL
+            self.step()
+        raise AssertionError("transfers still pending")
+
+    def assert_idle(self) -> None:
+        assert not self.offload.has_pending_transfers()
+        assert self.offload.num_pinned_cpu_blocks() == 0
+        assert self.worker.worker.backend.num_pending == 0
+        gpu_pool = self.scheduler.kv_cache_manager.block_pool
+        # Only the null block stays in use once every request is gone.
+        assert gpu_pool.get_num_free_blocks() == gpu_pool.num_gpu_blocks - 1
+
+    def close(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,281 @@
+"""The connector on vLLM's real scheduler, with a model that verifies every KV read.
+
+See ``engine_harness.py``: each test below fails if a wrong, stale or missing
+block is ever attended to, on top of its own assertions.
+"""
+
+import random
+import time
+
+import pytest
+
+import backend_doubles
+from engine_harness import Engine
+
+BS = 16
+
+
+def _docs(n, length, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 90) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir, monkeypatch):
+    engines = []
+
+    def make(backend="cpu", **kwargs):
+        monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", backend)
+        kwargs.setdefault("num_gpu_blocks", 20)
+        kwargs.setdefault("cpu_blocks", 64)
+        engine = Engine(tiny_model_dir, block_size=BS, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def _two_passes(engine, docs, suffix=(5, 6)):
+    """Every document once, then again with a suffix after the device forgot it."""
+    for i, d in enumerate(docs):
+        engine.add(f"a{i}", d)
+    engine.run_until_done()
+    for i, d in enumerate(docs):
+        engine.add(f"b{i}", d + list(suffix))
+    engine.run_until_done()
+    engine.drain()
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_evicted_prefixes_come_back_from_cpu(make_engine, lazy):
+    engine = make_engine(lazy=lazy)
+    docs = _docs(6, 80)  # 5 blocks each; the device holds 19
+    _two_passes(engine, docs)
+    totals = engine.offload.totals.data
+    if lazy:
+        # Lazy stores only what reaches the head of the free queue before it is
+        # reused; on a 20-block device some blocks are reused within one step.
+        assert 6 * 80 // 2 <= totals["cpu_hit_tokens"] <= 6 * 80
+    else:
+        # Every second-pass request found its 5 full blocks on the CPU tier.
+        assert totals["cpu_hit_tokens"] == 6 * 80
+    assert totals["blocks_loaded"] == totals["cpu_hit_tokens"] // BS
+    assert engine.model.checked_tokens > 6 * 80
+    engine.assert_idle()
+
+
+def test_without_offloading_the_same_workload_recomputes(make_engine):
+    """The workload above really evicts: with a 1-block CPU tier nothing comes back."""
+    engine = make_engine(cpu_blocks=1)
+    _two_passes(engine, _docs(6, 80))
+    assert engine.offload.totals.data.get("cpu_hit_tokens", 0) <= BS
+    engine.assert_idle()
+
+
+def test_last_block_of_a_request_finishing_in_that_step_is_stored(make_engine):
+    engine = make_engine()
+    prompt = _docs(1, 47)[0]
+    req = engine.add("r", prompt, max_tokens=2)
+    engine.run_until_done()
+    engine.drain()
+    # The step that computed token 47 (completing block 3) also finished the request.
+    assert req.num_computed_tokens == 48
+    hit_blocks, hit_tokens, _ = engine.offload.coordinator.find_longest_cache_hit(
+        req.block_hashes, 10_000)
+    assert hit_tokens == 48
+    assert engine.offload.totals.data["blocks_stored"] == 3
+    engine.assert_idle()
+
+
+def test_cpu_hit_is_pinned_between_lookup_and_allocation(make_engine):
+    engine = make_engine(cpu_blocks=8)
+    doc = _docs(1, 64)[0]
+    engine.add("a", doc)
+    engine.run_until_done()
+    engine.drain()
+    b = engine.add("b", doc + [1])
+    engine.scheduler.waiting.remove(b)  # drive the two phases by hand
+    hit, is_async = engine.offload.get_num_new_matched_tokens(b, 0)
+    assert (hit, is_async) == (64, True)
+    # Another request now takes every free CPU block: LRU eviction must spare the hit.
+    pool = engine.offload.cpu_pool
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    hits, _, _ = engine.offload.coordinator.find_longest_cache_hit(b.block_hashes, 64)
+    assert [blk.block_id for blk in hits[0]] == [
+        blk.block_id for blk in engine.offload._pending_hits["b"][0][0]]
+    pool.free_blocks(taken)
+    engine.offload.request_finished(b, ([],))
+    assert engine.offload.num_pinned_cpu_blocks() == 0
+
+
+def test_scheduler_accepting_fewer_tokens_takes_the_leading_blocks(make_engine):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    engine = make_engine()
+    doc = _docs(1, 64)[0]
+    engine.add("a", doc)
+    engine.run_until_done()
+    engine.drain()
+    b = engine.add("b", doc + [1])
+    engine.scheduler.waiting.remove(b)
+    assert engine.offload.get_num_new_matched_tokens(b, 0) == (64, True)
+    pending_cpu = [blk.block_id for blk in engine.offload._pending_hits["b"][0][0]]
+    gpu_pool = engine.scheduler.kv_cache_manager.block_pool
+    gpu_blocks = gpu_pool.get_new_blocks(5)
+    engine.offload.update_state_after_alloc(b, KVCacheBlocks((gpu_blocks,)), 2 * BS)
+    load = engine.offload._loads["b"]
+    assert load.cpu_ids == pending_cpu[:2]
+    assert load.gpu_ids == [blk.block_id for blk in gpu_blocks[:2]]
+    # Only the two taken CPU blocks stay pinned; the rest of the hit was released.
+    assert engine.offload.num_pinned_cpu_blocks() == 2
+    engine.offload.request_finished(b, ([],))  # never sent to a worker: released at once
+    gpu_pool.free_blocks(gpu_blocks)
+    assert engine.offload.num_pinned_cpu_blocks() == 0
+
+
+def test_preemptions_and_aborts_with_transfers_in_flight(make_engine):
+    engine = make_engine(backend="slow-cpu", num_gpu_blocks=24, cpu_blocks=48, max_num_seqs=8)
+    docs = _docs(12, 40, seed=3)
+    shared = _docs(1, 32, seed=9)[0]
+    aborted = []
+    for i in range(60):
+        engine.add(str(i), shared + docs[i % 12] + [i % 7], max_tokens=12)
+        if i % 5 == 4:
+            engine.step()
+        if i % 9 == 8:
+            victim = str(i - 3)
+            engine.abort([victim])
+            aborted.append(victim)
+    engine.run_until_done()
+    engine.drain()
+    preempted = engine.scheduler.kv_cache_manager  # noqa: F841 (for debugging)
+    assert engine.offload.totals.data["cpu_hit_tokens"] > 0
+    done = [r for r in engine.outputs if r not in aborted]
+    assert all(len(engine.outputs[r]) == 12 for r in done)
+    engine.assert_idle()
+
+
+def test_preemption_flushes_the_copy_queue(make_engine):
+    engine = make_engine(backend="slow-cpu", num_gpu_blocks=12, cpu_blocks=64, max_num_seqs=6)
+    for i, d in enumerate(_docs(6, 40, seed=5)):
+        engine.add(str(i), d, max_tokens=40)  # decodes outgrow the device cache
+    flushes = []
+    original = engine.worker.worker.backend.flush
+
+    def counting_flush():
+        flushes.append(engine.worker.worker.backend.num_pending)
+        return original()
+
+    engine.worker.worker.backend.flush = counting_flush
+    engine.run_until_done()
+    engine.drain()
+    assert flushes, "the workload must preempt"
+    assert engine.worker.worker.backend.num_pending == 0
+    engine.assert_idle()
+
+
+def test_failed_load_is_recomputed_not_used(make_engine):
+    engine = make_engine(backend="failing-loads")
+    _two_passes(engine, _docs(6, 80))
+    # The model check passed: torn device blocks were never attended to.
+    assert engine.worker.worker.totals.data["failed_jobs"] > 0
+    assert engine.offload.totals.data.get("cpu_hit_tokens", 0) == 0
+    assert all(len(engine.outputs[f"b{i}"]) == 4 for i in range(6))
+    engine.assert_idle()
+
+
+def test_failed_store_is_never_published(make_engine):
+    engine = make_engine(backend="failing-stores")
+    _two_passes(engine, _docs(6, 80))
+    assert len(engine.offload.cpu_pool.cached_block_hash_to_block) == 0
+    assert engine.offload.totals.data.get("cpu_hit_tokens", 0) == 0
+    engine.assert_idle()
+
+
+def test_store_is_published_only_after_every_rank_reported(make_engine):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvoffload_hal.metadata import OffloadWorkerMetadata
+
+    engine = make_engine()
+    engine.offload.world_size = 2  # this worker plays one rank of two
+    req = engine.add("r", _docs(1, 48)[0], max_tokens=2)
+    while engine.scheduler.has_requests():
+        engine.step()
+    for _ in range(200):  # let the copies finish and be reported by this rank
+        if engine.offload._stores and all(s.reports for s in engine.offload._stores.values()):
+            break
+        time.sleep(0.005)
+        engine.step()
+    jobs = [j for j, store in engine.offload._stores.items() if store.reports == 1]
+    assert jobs and jobs == list(engine.offload._stores)
+    assert len(engine.offload.cpu_pool.cached_block_hash_to_block) == 0
+    # The other rank reports: now the blocks are published and the pins dropped.
+    engine.offload.update_connector_output(KVConnectorOutput(
+        kv_connector_worker_meta=OffloadWorkerMetadata(stores_done={j: 1 for j in jobs})))
+    _, hit_tokens, _ = engine.offload.coordinator.find_longest_cache_hit(req.block_hashes, 10_000)
+    assert hit_tokens == 48
+    engine.assert_idle()
+
+
+def test_get_finished_twice_on_the_same_metadata_launches_once(make_engine):
+    engine = make_engine(backend="counting-cpu")
+    backend_doubles.launches.clear()
+    engine.add("r", _docs(1, 64)[0], max_tokens=3)
+    engine.step()  # prefill
+    meta = engine.scheduler.schedule().kv_connector_metadata  # stores the 4 blocks
+    assert meta.store_job_id >= 0
+    engine.worker.bind_connector_metadata(meta)
+    for _ in range(3):
+        engine.worker.get_finished(set())
+    engine.worker.worker.backend.flush()
+    assert backend_doubles.launches.count(("store", 1)) == 1
+
+
+def test_reset_cache_forgets_prefixes_and_drops_stores_in_flight(make_engine):
+    engine = make_engine(backend="slow-cpu")
+    docs = _docs(3, 64)
+    for i, d in enumerate(docs):
+        engine.add(f"a{i}", d)
+    engine.run_until_done()
+    engine.drain()
+    assert len(engine.offload.cpu_pool.cached_block_hash_to_block) > 0
+    engine.add("c", _docs(1, 64, seed=7)[0], max_tokens=2)
+    for _ in range(3):
+        engine.step()  # its stores are now in flight
+    assert engine.connector.reset_cache() is True
+    engine.run_until_done()
+    engine.drain()
+    assert len(engine.offload.cpu_pool.cached_block_hash_to_block) == 0
+    engine.assert_idle()
+
+
+def test_sliding_window_group_next_to_full_attention(make_engine):
+    engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=128)
+    assert len(engine.offload.group_block_sizes) == 2
+    _two_passes(engine, _docs(6, 80))
+    totals = engine.offload.totals.data
+    assert totals["cpu_hit_tokens"] > 0
+    engine.assert_idle()
+
+
+def test_abort_while_load_in_flight_defers_the_free_until_reported(make_engine):
+    engine = make_engine(backend="slow-cpu")
+    engine.worker.worker.backend.delay_s = 0.05
+    docs = _docs(6, 80)
+    for i, d in enumerate(docs):
+        engine.add(f"a{i}", d)
+    engine.run_until_done()
+    engine.drain()
+    engine.add("b", docs[0] + [1])
+    while not engine.offload._loads or engine.offload._loads["b"].job_id < 0:
+        engine.step()
+    engine.step()  # the load job is launched and sleeping in the copy thread
+    assert engine.offload._loads["b"].job_id >= 0
+    engine.abort(["b"])
+    assert "b" in engine.scheduler.requests  # kept until the load is reported
+    engine.drain()
+    assert "b" not in engine.scheduler.requests
+    engine.assert_idle()
