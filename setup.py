@@ -21,6 +21,7 @@ setup(
     packages=[
         "kvoffload_hal",
         "kvoffload_hal.hal",
+        "kvoffload_hal.tiers",
         "kvoffload_hal.backends",
         "kvoffload_hal.backends.cpu",
         "kvoffload_hal.backends.cuda",

@@ -9,6 +9,11 @@ key                    default     meaning
 ``lazy_offload``       ``false``   ``false``: store every full block once computed
                                    (eager); ``true``: store only the device blocks
                                    next in line for eviction (lazy)
+``disk_path``          (none)      directory of a disk tier behind the CPU tier
+                                   (created if missing; must be writable)
+``disk_bytes_to_use``  (none)      disk tier capacity for the whole instance, split
+                                   across ranks (int bytes > 0; needs ``disk_path``)
+``disk_o_direct``      ``false``   bypass the page cache for disk-tier IO
 =====================  ==========  =================================================
 
 Validated once at start-up: a wrong type or range raises ``ValueError`` naming the
@@ -18,6 +23,7 @@ valid keys.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,33 +36,64 @@ logger = init_logger(__name__)
 DEFAULT_CPU_BYTES_TO_USE = 4 << 30
 
 
+VALID_KEYS = ("cpu_bytes_to_use", "lazy_offload", "disk_path", "disk_bytes_to_use",
+              "disk_o_direct")
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"kv_connector_extra_config['{key}']={value!r}: expected an integer number of bytes > 0"
+        )
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config['{key}']={value!r}: expected true or false")
+    return value
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     cpu_bytes_to_use: int = DEFAULT_CPU_BYTES_TO_USE
     lazy_offload: bool = False
+    disk_path: str | None = None
+    disk_bytes_to_use: int = 0
+    disk_o_direct: bool = False
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk_path is not None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "OffloadConfig":
         extra = dict(extra or {})
-        valid = ("cpu_bytes_to_use", "lazy_offload")
-        unknown = sorted(set(extra) - set(valid))
+        unknown = sorted(set(extra) - set(VALID_KEYS))
         if unknown:
             logger.warning(
                 "kv_connector_extra_config: ignoring unknown key(s) %s; valid keys are %s",
-                ", ".join(unknown), ", ".join(valid),
+                ", ".join(unknown), ", ".join(VALID_KEYS),
             )
-        cpu_bytes = extra.get("cpu_bytes_to_use", DEFAULT_CPU_BYTES_TO_USE)
-        if isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int) or cpu_bytes <= 0:
-            raise ValueError(
-                f"kv_connector_extra_config['cpu_bytes_to_use']={cpu_bytes!r}: "
-                "expected an integer number of bytes > 0"
-            )
-        lazy = extra.get("lazy_offload", False)
-        if not isinstance(lazy, bool):
-            raise ValueError(
-                f"kv_connector_extra_config['lazy_offload']={lazy!r}: expected true or false"
-            )
-        return cls(cpu_bytes_to_use=cpu_bytes, lazy_offload=lazy)
+        cpu_bytes = _positive_int("cpu_bytes_to_use",
+                                  extra.get("cpu_bytes_to_use", DEFAULT_CPU_BYTES_TO_USE))
+        lazy = _bool("lazy_offload", extra.get("lazy_offload", False))
+        o_direct = _bool("disk_o_direct", extra.get("disk_o_direct", False))
+        disk_path = extra.get("disk_path")
+        if disk_path is None:
+            if "disk_bytes_to_use" in extra:
+                raise ValueError("kv_connector_extra_config['disk_bytes_to_use'] is set but "
+                                 "'disk_path' is not: expected both for a disk tier")
+            return cls(cpu_bytes, lazy, disk_o_direct=o_direct)
+        if not isinstance(disk_path, str) or not disk_path:
+            raise ValueError(f"kv_connector_extra_config['disk_path']={disk_path!r}: "
+                             "expected a directory path")
+        if "disk_bytes_to_use" not in extra:
+            raise ValueError("kv_connector_extra_config['disk_path'] is set but "
+                             "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
+        disk_bytes = _positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
+        _check_writable_dir(disk_path)
+        return cls(cpu_bytes, lazy, disk_path, disk_bytes, o_direct)
 
     def cpu_bytes_per_rank(self, world_size: int) -> int:
         return self.cpu_bytes_to_use // max(1, world_size)
@@ -86,3 +123,29 @@ def num_cpu_blocks(kv_cache_config, cpu_bytes_per_rank: int) -> int:
             f"{per_block} bytes per rank"
         )
     return n
+
+
+def num_disk_blocks(kv_cache_config, disk_bytes_per_rank: int) -> int:
+    per_block = device_bytes_per_block(kv_cache_config)
+    n = disk_bytes_per_rank // per_block
+    if n < 1:
+        raise ValueError(
+            f"kv_connector_extra_config['disk_bytes_to_use'] gives {disk_bytes_per_rank} bytes "
+            f"per rank, less than one KV block ({per_block} bytes); expected at least "
+            f"{per_block} bytes per rank"
+        )
+    return n
+
+
+def _check_writable_dir(path: str) -> None:
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"kv_connector_extra_config['disk_path']={path!r}: expected a writable directory "
+            f"({e.strerror or e})"
+        ) from None

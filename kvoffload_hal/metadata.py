@@ -29,21 +29,38 @@ class OffloadMetadata(KVConnectorMetadata):
     store_cpu_blocks: list[int] = field(default_factory=list)
     # A request was preempted: wait for every transfer before blocks are reused.
     need_flush: bool = False
+    # Secondary (disk) tier: (key, CPU block id) pairs, and keys to delete.
+    spill_job_id: int = NO_JOB
+    spill_items: list[tuple[str, int]] = field(default_factory=list)
+    promote_job_id: int = NO_JOB
+    promote_items: list[tuple[str, int]] = field(default_factory=list)
+    tier_evictions: list[str] = field(default_factory=list)
 
 
 @dataclass
 class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: store jobs finished on this rank (summed over ranks)."""
+    """Worker -> scheduler: jobs finished on this rank (summed over ranks)."""
 
     stores_done: dict[int, int] = field(default_factory=dict)
     stores_failed: dict[int, int] = field(default_factory=dict)
+    tier_reports: dict[int, int] = field(default_factory=dict)
+    tier_failed: dict[int, list[str]] = field(default_factory=dict)  # keys that failed
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerMetadata":
         assert isinstance(other, OffloadWorkerMetadata)
-        done = dict(self.stores_done)
-        for job, n in other.stores_done.items():
-            done[job] = done.get(job, 0) + n
-        failed = dict(self.stores_failed)
-        for job, n in other.stores_failed.items():
-            failed[job] = failed.get(job, 0) + n
-        return OffloadWorkerMetadata(done, failed)
+        failed = {job: list(keys) for job, keys in self.tier_failed.items()}
+        for job, keys in other.tier_failed.items():
+            failed[job] = sorted(set(failed.get(job, [])) | set(keys))
+        return OffloadWorkerMetadata(
+            _sum(self.stores_done, other.stores_done),
+            _sum(self.stores_failed, other.stores_failed),
+            _sum(self.tier_reports, other.tier_reports),
+            failed,
+        )
+
+
+def _sum(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    out = dict(a)
+    for key, n in b.items():
+        out[key] = out.get(key, 0) + n
+    return out

@@ -26,6 +26,8 @@ COUNTERS: dict[str, str] = {
     "store_seconds": "Time spent in device->CPU copies",
     "load_seconds": "Time spent in CPU->device copies",
     "failed_jobs": "Copy jobs that failed (their blocks are recomputed, never used)",
+    "blocks_to_disk": "KV blocks written from the CPU tier to the disk tier",
+    "blocks_from_disk": "KV blocks promoted from the disk tier to the CPU tier",
 }
 
 
@@ -42,6 +44,12 @@ class OffloadStats(KVConnectorStats):
     def record_load(self, num_blocks: int, num_tokens: int) -> None:
         self._add("blocks_loaded", num_blocks)
         self._add("cpu_hit_tokens", num_tokens)
+
+    def record_disk(self, spilled: int, promoted: int) -> None:
+        if spilled:
+            self._add("blocks_to_disk", spilled)
+        if promoted:
+            self._add("blocks_from_disk", promoted)
 
     def record_transfer(self, store: bool, num_bytes: int, seconds: float, ok: bool) -> None:
         if not ok:
@@ -60,10 +68,9 @@ class OffloadStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
-        for direction in ("store", "load"):
+        for direction, nbytes_key in (("store", "bytes_stored"), ("load", "bytes_loaded")):
             seconds = out[f"{direction}_seconds"]
-            nbytes = out[f"bytes_{direction}d"]
-            out[f"{direction}_GBps"] = round(nbytes / seconds / 1e9, 3) if seconds else 0.0
+            out[f"{direction}_GBps"] = round(out[nbytes_key] / seconds / 1e9, 3) if seconds else 0.0
         return out
 
     def is_empty(self) -> bool:

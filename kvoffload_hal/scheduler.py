@@ -31,10 +31,12 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvoffload_hal.config import OffloadConfig, num_cpu_blocks
+from kvoffload_hal.config import OffloadConfig, num_cpu_blocks, num_disk_blocks
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import NO_JOB, OffloadMetadata, OffloadWorkerMetadata
 from kvoffload_hal.metrics import OffloadStats
+from kvoffload_hal.tiers.base import TierIndex
+from kvoffload_hal.tiers.cascade import TierCascade
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,6 +140,18 @@ class OffloadScheduler:
         self._cursors: dict[str, _EagerCursor] = {}
         self._next_load_job = 0
         self._next_store_job = 0
+        self.disk: TierCascade | None = None
+        if config.disk_enabled:
+            if len(kv_cache_config.kv_cache_groups) != 1:
+                logger.warning("HALOffloadConnector: the disk tier supports models with one KV "
+                               "cache group; it is disabled for this model")
+            else:
+                index = TierIndex(num_disk_blocks(
+                    kv_cache_config, config.disk_bytes_to_use // max(1, self.world_size)))
+                self.disk = TierCascade(index, self.cpu_pool, self.block_size,
+                                        self.world_size, _publish)
+                logger.info("HALOffloadConnector: disk tier of %d blocks at %s",
+                            index.capacity_blocks, config.disk_path)
         self._stats = OffloadStats()  # drained by get_stats() every step
         self.totals = OffloadStats()  # since start-up, for tests, the demo and logs
         logger.info(
@@ -164,6 +178,16 @@ class OffloadScheduler:
         if not hashes or max_hit_tokens <= 0:
             return 0, False
         hit_blocks, hit_tokens, _ = self.coordinator.find_longest_cache_hit(hashes, max_hit_tokens)
+        if self.disk is not None:
+            # Blocks promoted for this request were pinned until now; the lookup
+            # above found (and the touch below keeps) the ones still wanted.
+            self.cpu_pool.touch([b for group in hit_blocks for b in group if not b.is_null])
+            self.disk.release_promoted(request.request_id)
+            self._unpin(hit_blocks)
+            first = (num_computed_tokens + hit_tokens) // self.block_size
+            last = (num_computed_tokens + max_hit_tokens) // self.block_size
+            if self.disk.lookup(request, first, last):
+                return None, False  # a promotion disk->CPU is in flight: ask again later
         if hit_tokens <= 0:
             return 0, False
         # Pin now: LRU eviction between this lookup and the allocation must not
@@ -233,6 +257,10 @@ class OffloadScheduler:
             meta.store_gpu_blocks = store.gpu_ids
             meta.store_cpu_blocks = store.cpu_ids
 
+        if self.disk is not None:
+            (meta.spill_job_id, meta.spill_items), (meta.promote_job_id, meta.promote_items), \
+                meta.tier_evictions = self.disk.take_jobs()
+
         new_loads = [(r, ld) for r, ld in self._loads.items() if ld.job_id == NO_JOB]
         if new_loads:
             job = self._next_load_job
@@ -269,6 +297,12 @@ class OffloadScheduler:
                     self._count_store_report(job, n)
             for job, n in meta.stores_done.items():
                 self._count_store_report(job, n)
+            if self.disk is not None and meta.tier_reports:
+                before = (self.disk.blocks_spilled, self.disk.blocks_promoted)
+                self.disk.on_reports(meta.tier_reports, meta.tier_failed)
+                for stats in (self._stats, self.totals):
+                    stats.record_disk(self.disk.blocks_spilled - before[0],
+                                      self.disk.blocks_promoted - before[1])
 
     def _count_store_report(self, job: int, n: int) -> None:
         store = self._stores.get(job)
@@ -289,6 +323,8 @@ class OffloadScheduler:
                 _publish(self.cpu_pool, block, block_hash)
             for stats in (self._stats, self.totals):
                 stats.record_store(len(cpu_blocks))
+            if self.disk is not None:
+                self.disk.on_published(cpu_blocks, store.hashes)
         self.cpu_pool.free_blocks(cpu_blocks)
         self._release_gpu(store.gpu_ids)
 
@@ -298,6 +334,8 @@ class OffloadScheduler:
         """Returns True while a load for the request is in flight (blocks freed later)."""
         req_id = request.request_id
         self._release_pending_hit(req_id)
+        if self.disk is not None:
+            self.disk.request_finished(req_id)
         cursor = self._cursors.pop(req_id, None)
         if cursor is not None and block_ids and isinstance(block_ids[0], list):
             # The request's last full block may have been computed in this very
@@ -388,6 +426,8 @@ class OffloadScheduler:
             self._release_pending_hit(req_id)
         for store in self._stores.values():
             store.abandoned = True
+        if self.disk is not None:
+            self.disk.reset()
         self.cpu_pool.evict_blocks(set(range(self.num_cpu_blocks)))
         for gpu_ids, cpu_ids, hashes in self._queued_stores:
             self.cpu_pool.free_blocks([self.cpu_pool.blocks[b] for b in cpu_ids])
@@ -407,7 +447,8 @@ class OffloadScheduler:
         return None if stats.is_empty() else stats
 
     def has_pending_transfers(self) -> bool:
-        return bool(self._loads or self._stores or self._queued_stores)
+        return bool(self._loads or self._stores or self._queued_stores
+                    or (self.disk is not None and self.disk.has_pending()))
 
     def num_pinned_cpu_blocks(self) -> int:
         """CPU blocks referenced by a hit or a copy (0 when the tier is idle)."""

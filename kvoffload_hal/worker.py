@@ -21,6 +21,8 @@ from kvoffload_hal.hal.regions import BlockRegion, host_regions_for
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import NO_JOB, OffloadMetadata, OffloadWorkerMetadata
 from kvoffload_hal.metrics import OffloadStats
+from kvoffload_hal.tiers.base import SecondaryTier
+from kvoffload_hal.tiers.disk import DiskTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,7 +40,10 @@ class OffloadWorker:
         # cache group (block ids are per group); HMA configs report requests.
         self.report_failed_blocks = len(kv_cache_config.kv_cache_groups) == 1
         self.num_cpu_blocks = num_cpu_blocks(kv_cache_config, config.cpu_bytes_per_rank(world_size))
+        self.config = config
+        self.rank = _rank()
         self.backend: DmaCopyBackend | None = None
+        self.tier: SecondaryTier | None = None
         self.host_buffer: torch.Tensor | None = None
         self._metadata: OffloadMetadata | None = None
         self._finished_recving: set[str] = set()
@@ -46,6 +51,9 @@ class OffloadWorker:
         self._load_error_blocks: set[int] = set()
         self._stores_done: dict[int, int] = {}
         self._stores_failed: dict[int, int] = {}
+        self._tier_reports: dict[int, int] = {}
+        self._tier_failed: dict[int, list[str]] = {}
+        self._last_tier_job = NO_JOB
         self._stats = OffloadStats()  # drained by get_stats() every step
         self.totals = OffloadStats()  # since start-up
 
@@ -62,6 +70,13 @@ class OffloadWorker:
         host_regions = host_regions_for(regions, self.host_buffer.data_ptr(), self.num_cpu_blocks)
         backend.bind(regions, host_regions)
         self.backend = backend
+        if self.config.disk_enabled and self.report_failed_blocks:
+            views, offset = [], 0
+            for r in regions:
+                n = self.num_cpu_blocks * r.block_bytes
+                views.append(self.host_buffer[offset:offset + n].view(self.num_cpu_blocks, -1))
+                offset += n
+            self.tier = DiskTier(self.config.disk_path, self.rank, views, self.config.disk_o_direct)
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB) on the %r backend",
@@ -101,7 +116,14 @@ class OffloadWorker:
                 self.backend.submit(TransferJob(
                     meta.load_job_id, Direction.LOAD, meta.load_cpu_blocks,
                     meta.load_gpu_blocks, tag=(tuple(meta.load_req_ids), tuple(meta.load_gpu_blocks))))
+            if self.tier is not None:
+                self._submit_tier_jobs(meta)
         self._collect(self.backend.poll())
+        if self.tier is not None:
+            for result in self.tier.poll():
+                self._tier_reports[result.job_id] = 1
+                if result.failed_keys:
+                    self._tier_failed[result.job_id] = list(result.failed_keys)
         finished, self._finished_recving = self._finished_recving, set()
         failed, self._failed_recving = self._failed_recving, set()
         return set(), finished, failed
@@ -111,17 +133,36 @@ class OffloadWorker:
         return errors
 
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
-        if not (self._stores_done or self._stores_failed):
+        if not (self._stores_done or self._stores_failed or self._tier_reports):
             return None
-        meta = OffloadWorkerMetadata(self._stores_done, self._stores_failed)
+        meta = OffloadWorkerMetadata(self._stores_done, self._stores_failed,
+                                     self._tier_reports, self._tier_failed)
         self._stores_done, self._stores_failed = {}, {}
+        self._tier_reports, self._tier_failed = {}, {}
         return meta
+
+    def _submit_tier_jobs(self, meta: OffloadMetadata) -> None:
+        assert self.tier is not None
+        # Tier job ids increase across steps: a second call on the same
+        # metadata submits nothing twice.
+        for job_id, items, load in ((meta.spill_job_id, meta.spill_items, False),
+                                    (meta.promote_job_id, meta.promote_items, True)):
+            if job_id == NO_JOB or job_id <= self._last_tier_job:
+                continue
+            self._last_tier_job = job_id
+            (self.tier.submit_load if load else self.tier.submit_store)(job_id, items)
+        if meta.tier_evictions:
+            self.tier.evict(meta.tier_evictions)
+            meta.tier_evictions = []
 
     def get_stats(self) -> OffloadStats | None:
         stats, self._stats = self._stats, OffloadStats()
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
+        if self.tier is not None:
+            self.tier.shutdown()
+            self.tier = None
         if self.backend is None:
             return
         self.backend.shutdown()
@@ -171,3 +212,13 @@ def _unique_tensors(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> 
 
 def _unique_regions(regions) -> list[BlockRegion]:
     return list(dict.fromkeys(regions))
+
+
+def _rank() -> int:
+    """This worker's global rank (0 outside a distributed run)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank
+    except (ImportError, AssertionError, AttributeError):
+        return 0

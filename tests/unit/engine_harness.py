@@ -99,7 +99,7 @@ class Engine:
     def __init__(self, model_dir: str, *, num_gpu_blocks: int, cpu_blocks: int,
                  block_size: int = 16, lazy: bool = False, sliding_window: int | None = None,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 32,
-                 world_size_reports: int = 1) -> None:
+                 world_size_reports: int = 1, extra_config: dict | None = None) -> None:
         self.block_size = block_size
         groups = [FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
                                     head_size=HEAD_DIM, dtype=torch.bfloat16)]
@@ -124,7 +124,8 @@ class Engine:
                 kv_connector="HALOffloadConnector", kv_role="kv_both",
                 kv_connector_module_path="kvoffload_hal.connector",
                 kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, "lazy_offload": lazy}),
+                kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, "lazy_offload": lazy,
+                                           **(extra_config or {})}),
         )
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks  # set by profiling in vLLM
@@ -228,6 +229,8 @@ class Engine:
 
     def assert_idle(self) -> None:
         assert not self.offload.has_pending_transfers()
+        if self.worker.worker.tier is not None:
+            assert self.worker.worker.tier.num_pending == 0
         assert self.offload.num_pinned_cpu_blocks() == 0
         assert self.worker.worker.backend.num_pending == 0
         gpu_pool = self.scheduler.kv_cache_manager.block_pool

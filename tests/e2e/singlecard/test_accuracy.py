@@ -57,10 +57,7 @@ def baseline(tiny_model):
     return outputs
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_outputs_identical_and_served_from_cpu(tiny_model, baseline, lazy):
-    outputs, summary = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS,
-                                       offload=True, lazy_offload=lazy))
+def _check_against_baseline(outputs, summary, baseline):
     for i, ((cached, tokens, logprobs), (_, base_tokens, base_logprobs)) in enumerate(
             zip(outputs, baseline)):
         assert tokens == base_tokens, f"request {i}: tokens differ"
@@ -73,6 +70,35 @@ def test_outputs_identical_and_served_from_cpu(tiny_model, baseline, lazy):
     assert totals["blocks_loaded"] == sum(second_pass) // 32
     assert totals["blocks_stored"] >= NUM_DOCS * 5
     assert summary["pinned"] == 0 and not summary["pending"]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_outputs_identical_and_served_from_cpu(tiny_model, baseline, lazy):
+    outputs, summary = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS,
+                                       offload=True, lazy_offload=lazy))
+    _check_against_baseline(outputs, summary, baseline)
+
+
+def _accelerator_missing(kind: str) -> str | None:
+    from kvoffload_hal.hal.registry import BackendSelectionError, get_backend_class
+
+    try:
+        get_backend_class(kind)
+    except BackendSelectionError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cuda", marks=pytest.mark.cuda),
+                                  pytest.param("npu", marks=pytest.mark.npu)])
+def test_accelerator_singlecard_accuracy(tiny_model, baseline, kind, monkeypatch):
+    """The same accuracy check with the vendor backend on a real device."""
+    reason = _accelerator_missing(kind)
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", kind)
+    outputs, summary = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
+    _check_against_baseline(outputs, summary, baseline)
 
 
 def test_canary_corrupted_loads_change_outputs(tiny_model, baseline, monkeypatch):

@@ -6,6 +6,8 @@ output must equal the run without the connector, and afterwards the CPU tier
 must be idle: no block still referenced, no copy pending.
 """
 
+import time
+
 import pytest
 
 from kvoffload_hal.testing import (
@@ -65,10 +67,12 @@ def _run(spec):
         summary = {"preemptions": sum(preemptions.values())}
         conn = scheduler_connector(llm)
         if conn is not None:
-            # Let the last stores land: a few idle steps drain the copy queue.
-            for _ in range(20):
+            # Let the last stores land: idle steps (with a pause, as a real idle
+            # engine waits for work) drain the copy queue.
+            for _ in range(500):
                 if not conn.scheduler.has_pending_transfers():
                     break
+                time.sleep(0.002)
                 engine.step()
             summary.update(pinned=conn.scheduler.num_pinned_cpu_blocks(),
                            pending=conn.scheduler.has_pending_transfers(),

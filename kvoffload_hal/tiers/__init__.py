@@ -1,0 +1,1 @@
+"""Secondary tiers behind the CPU tier (disk first)."""

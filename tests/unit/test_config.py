@@ -1,0 +1,53 @@
+"""kv_connector_extra_config validation: one clear error per bad value, one warning for unknown keys."""
+
+import logging
+
+import pytest
+
+from kvoffload_hal.config import DEFAULT_CPU_BYTES_TO_USE, OffloadConfig, num_cpu_blocks
+
+
+def test_defaults():
+    config = OffloadConfig.from_extra_config(None)
+    assert config == OffloadConfig(DEFAULT_CPU_BYTES_TO_USE, False)
+    assert config.cpu_bytes_per_rank(4) == DEFAULT_CPU_BYTES_TO_USE // 4
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "1GiB", True, None])
+def test_cpu_bytes_to_use_must_be_a_positive_int(value):
+    with pytest.raises(ValueError) as e:
+        OffloadConfig.from_extra_config({"cpu_bytes_to_use": value})
+    message = str(e.value)
+    assert "cpu_bytes_to_use" in message and repr(value) in message
+    assert "expected an integer number of bytes > 0" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("value", [1, "true", None])
+def test_lazy_offload_must_be_a_bool(value):
+    with pytest.raises(ValueError, match=r"lazy_offload.*expected true or false"):
+        OffloadConfig.from_extra_config({"lazy_offload": value})
+
+
+def test_unknown_keys_give_one_warning_listing_valid_keys(caplog):
+    with caplog.at_level(logging.WARNING):
+        config = OffloadConfig.from_extra_config({"cpu_bytes": 5, "lazy": True, "lazy_offload": True})
+    assert config.lazy_offload is True
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    text = warnings[0].getMessage()
+    assert "cpu_bytes, lazy" in text and "cpu_bytes_to_use, lazy_offload" in text
+
+
+def test_capacity_below_one_block_is_an_error():
+    from engine_harness import HEAD_DIM, HEADS  # noqa: F401 (vLLM env set-up)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    import torch
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    cfg = KVCacheConfig(num_blocks=10, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+    per_block = 2 * spec.page_size_bytes  # two layers
+    assert num_cpu_blocks(cfg, 3 * per_block + 1) == 3
+    with pytest.raises(ValueError, match=rf"less than one KV block \({per_block} bytes\)"):
+        num_cpu_blocks(cfg, per_block - 1)

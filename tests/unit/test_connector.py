@@ -1,0 +1,70 @@
+"""Registration, start-up errors and metrics of HALOffloadConnector."""
+
+import pytest
+
+from engine_harness import Engine  # noqa: F401 (sets the in-process vLLM environment)
+
+
+def test_plugin_registers_the_name_once_and_is_idempotent():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvoffload_hal.connector import HALOffloadConnector
+    from kvoffload_hal.plugin import CONNECTOR_NAME, register
+
+    register()
+    register()  # vLLM calls plugins in every process, possibly more than once
+    assert KVConnectorFactory._registry[CONNECTOR_NAME]() is HALOffloadConnector
+
+
+def test_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("kvoffload_hal") == "kvoffload_hal.plugin:register"
+
+
+def test_prefix_caching_is_required(tiny_model_dir):
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvoffload_hal.connector import HALOffloadConnector
+
+    config = EngineArgs(model=tiny_model_dir, enable_prefix_caching=False, enforce_eager=True,
+                        kv_transfer_config=KVTransferConfig(
+                            kv_connector="HALOffloadConnector", kv_role="kv_both",
+                            kv_connector_module_path="kvoffload_hal.connector"),
+                        ).create_engine_config()
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        HALOffloadConnector(config, KVConnectorRole.SCHEDULER, object())
+
+
+def test_stats_aggregate_reduce_and_prometheus_names():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvoffload_hal.connector import HALOffloadConnector
+    from kvoffload_hal.metrics import COUNTERS, OffloadPromMetrics
+
+    a = HALOffloadConnector.build_kv_connector_stats({"blocks_loaded": 2, "bytes_loaded": 4e9,
+                                                      "load_seconds": 2.0})
+    b = HALOffloadConnector.build_kv_connector_stats({"blocks_loaded": 3, "cpu_hit_tokens": 96})
+    merged = a.aggregate(b).reduce()
+    assert merged["blocks_loaded"] == 5 and merged["cpu_hit_tokens"] == 96
+    assert merged["load_GBps"] == 2.0
+
+    registry = CollectorRegistry()
+
+    def bind(cls):
+        return lambda **kw: cls(registry=registry, **{k: v for k, v in kw.items()
+                                                      if k != "multiprocess_mode"})
+
+    prom = OffloadPromMetrics(type("Cfg", (), {"kv_transfer_config": None})(),
+                              {Counter: bind(Counter), Gauge: bind(Gauge),
+                               Histogram: bind(Histogram)},
+                              ["engine"], {0: ["0"]})
+    prom.observe(merged, engine_idx=0)
+    assert registry.get_sample_value("vllm:kvoffload_hal_blocks_loaded_total",
+                                     {"engine": "0"}) == 5
+    for key in COUNTERS:
+        assert registry.get_sample_value(f"vllm:kvoffload_hal_{key}_total",
+                                         {"engine": "0"}) is not None or merged.get(key, 0) == 0
