@@ -95,3 +95,24 @@ def close_llm(llm) -> None:
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
+
+
+def drain_transfers(llm, timeout_s: float = 30.0) -> bool:
+    """Step an idle engine until the connector has no copy in flight; False on timeout.
+
+    A finished request's last stores (and disk spills) are planned when it
+    finishes and complete in later engine steps; an idle server keeps stepping,
+    an offline ``LLM.generate`` call does not.
+    """
+    import time
+
+    conn = scheduler_connector(llm)
+    if conn is None:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while conn.scheduler.has_pending_transfers():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)  # as an idle engine waits for work: the copy threads run
+        llm.llm_engine.step()
+    return True

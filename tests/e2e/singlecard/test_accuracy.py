@@ -9,7 +9,13 @@ the tokens and logprobs must match the baseline exactly.
 
 import pytest
 
-from kvoffload_hal.testing import EngineSpec, close_llm, make_llm, scheduler_connector
+from kvoffload_hal.testing import (
+    EngineSpec,
+    close_llm,
+    drain_transfers,
+    make_llm,
+    scheduler_connector,
+)
 from kvoffload_hal.tiny_model import synthetic_text
 
 pytestmark = pytest.mark.e2e
@@ -37,6 +43,7 @@ def _run(spec):
             completion = out.outputs[0]
             logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids)]
             outputs.append((out.num_cached_tokens, list(completion.token_ids), logprobs))
+        assert drain_transfers(llm)
         conn = scheduler_connector(llm)
         sched = conn.scheduler if conn is not None else None
         summary = None
@@ -113,3 +120,17 @@ def test_canary_corrupted_loads_change_outputs(tiny_model, baseline, monkeypatch
     differing = sum(tok != base for (_, tok, _), (_, base, _) in
                     zip(outputs[NUM_DOCS:], baseline[NUM_DOCS:]))
     assert differing > 0
+
+
+def test_disk_tier_serves_prefixes_evicted_from_device_and_cpu(tiny_model, baseline, tmp_path):
+    block_bytes = 2 * 32 * 2 * 128 * 2  # layers x tokens x heads x (K+V)·head_dim x bf16
+    spec = EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS, offload=True,
+                      cpu_bytes_to_use=12 * block_bytes,  # ~2 of the 8 documents
+                      extra_config={"disk_path": str(tmp_path / "kv"),
+                                    "disk_bytes_to_use": 100 * block_bytes})
+    outputs, summary = _run(spec)
+    totals = summary["totals"]
+    # The CPU tier cannot hold the 40 blocks of the first pass, so most of the
+    # second pass came back from disk (promoted to the CPU tier, then loaded).
+    assert totals["blocks_from_disk"] >= NUM_DOCS * 5 - 12
+    _check_against_baseline(outputs, summary, baseline)

@@ -6,13 +6,12 @@ output must equal the run without the connector, and afterwards the CPU tier
 must be idle: no block still referenced, no copy pending.
 """
 
-import time
-
 import pytest
 
 from kvoffload_hal.testing import (
     EngineSpec,
     close_llm,
+    drain_transfers,
     make_llm,
     scheduler_connector,
     worker_connector,
@@ -67,13 +66,7 @@ def _run(spec):
         summary = {"preemptions": sum(preemptions.values())}
         conn = scheduler_connector(llm)
         if conn is not None:
-            # Let the last stores land: idle steps (with a pause, as a real idle
-            # engine waits for work) drain the copy queue.
-            for _ in range(500):
-                if not conn.scheduler.has_pending_transfers():
-                    break
-                time.sleep(0.002)
-                engine.step()
+            assert drain_transfers(llm)
             summary.update(pinned=conn.scheduler.num_pinned_cpu_blocks(),
                            pending=conn.scheduler.has_pending_transfers(),
                            worker_pending=worker_connector().worker.backend.num_pending,
