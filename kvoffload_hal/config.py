@@ -114,27 +114,22 @@ def device_bytes_per_block(kv_cache_config) -> int:
 
 def num_cpu_blocks(kv_cache_config, cpu_bytes_per_rank: int) -> int:
     """Blocks the CPU tier holds: the same for scheduler and worker, from the same inputs."""
-    per_block = device_bytes_per_block(kv_cache_config)
-    n = cpu_bytes_per_rank // per_block
-    if n < 1:
-        raise ValueError(
-            f"kv_connector_extra_config['cpu_bytes_to_use'] gives {cpu_bytes_per_rank} bytes "
-            f"per rank, less than one KV block ({per_block} bytes); expected at least "
-            f"{per_block} bytes per rank"
-        )
-    return n
+    return _num_blocks("cpu_bytes_to_use", kv_cache_config, cpu_bytes_per_rank)
 
 
 def num_disk_blocks(kv_cache_config, disk_bytes_per_rank: int) -> int:
+    """Blocks the disk tier holds per rank."""
+    return _num_blocks("disk_bytes_to_use", kv_cache_config, disk_bytes_per_rank)
+
+
+def _num_blocks(key: str, kv_cache_config, bytes_per_rank: int) -> int:
     per_block = device_bytes_per_block(kv_cache_config)
-    n = disk_bytes_per_rank // per_block
-    if n < 1:
+    if bytes_per_rank < per_block:
         raise ValueError(
-            f"kv_connector_extra_config['disk_bytes_to_use'] gives {disk_bytes_per_rank} bytes "
-            f"per rank, less than one KV block ({per_block} bytes); expected at least "
-            f"{per_block} bytes per rank"
+            f"kv_connector_extra_config['{key}'] gives {bytes_per_rank} bytes per rank, less "
+            f"than one KV block ({per_block} bytes); expected at least {per_block} bytes per rank"
         )
-    return n
+    return bytes_per_rank // per_block
 
 
 def _check_writable_dir(path: str) -> None:
