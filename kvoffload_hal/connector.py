@@ -87,6 +87,12 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool:
         return self.scheduler.reset_cache()
 
+    def has_pending_push_work(self) -> bool:
+        # Keeps an idle engine stepping until the last stores are confirmed:
+        # their device blocks stay pinned and their CPU copies unpublished
+        # until a step collects the results.
+        return self.scheduler is not None and self.scheduler.has_pending_transfers()
+
     # ------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches) -> None:
         self.worker.register_kv_caches(kv_caches)

@@ -20,10 +20,10 @@ No device is touched here.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import chain
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
@@ -71,11 +71,16 @@ class _Store:
 
 @dataclass
 class _EagerCursor:
-    """Per running request (eager mode): its device blocks and how many were considered."""
+    """Per running request (eager mode): its device blocks and how many were considered.
+
+    ``next_boundary`` is the confirmed-token count at which some group gets a
+    full block not yet considered; below it a step has nothing to look at.
+    """
 
     request: "Request"
     block_ids: list[list[int]]
     num_scanned: list[int] = field(default_factory=list)
+    next_boundary: int = 0
 
 
 def derive_cpu_kv_cache_config(gpu_config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
@@ -238,6 +243,7 @@ class OffloadScheduler:
             if cursor is not None:  # it restarts with a fresh block table
                 cursor.block_ids = [[] for _ in cursor.block_ids]
                 cursor.num_scanned = [0] * len(cursor.block_ids)
+                cursor.next_boundary = 0
 
         if self.config.lazy_offload:
             self._select_lazy_stores()
@@ -353,19 +359,25 @@ class OffloadScheduler:
 
     # -------------------------------------------------------------- stores
     def _select_eager_stores(self, scheduler_output: SchedulerOutput) -> None:
-        for req_id, new_block_ids, _ in yield_req_data(scheduler_output):
-            cursor = self._cursors.get(req_id)
+        # Runs for every scheduled request on every step: most have no newly
+        # completed block, and leave after two comparisons.
+        cursors = self._cursors
+        cached = scheduler_output.scheduled_cached_reqs
+        new_reqs = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
+        for req_id, new_block_ids in chain(new_reqs, zip(cached.req_ids, cached.new_block_ids)):
+            cursor = cursors.get(req_id)
             if cursor is None:
                 continue
             if new_block_ids:
-                for g, ids in enumerate(new_block_ids):
-                    if ids:
-                        cursor.block_ids[g].extend(ids)
+                for ids, new_ids in zip(cursor.block_ids, new_block_ids):
+                    if new_ids:
+                        ids.extend(new_ids)
             request = cursor.request
             # Built before the step runs: num_computed_tokens counts only KV
             # written by earlier steps, which have finished.
             confirmed = request.num_computed_tokens - request.num_output_placeholders
-            self._queue_eager_blocks(cursor, cursor.block_ids, confirmed)
+            if confirmed >= cursor.next_boundary:
+                self._queue_eager_blocks(cursor, cursor.block_ids, confirmed)
 
     def _queue_eager_blocks(self, cursor: _EagerCursor, block_ids: list[list[int]],
                             confirmed_tokens: int) -> None:
@@ -385,6 +397,9 @@ class OffloadScheduler:
                     self._in_flight_hashes.add(block.block_hash)
                 i += 1
             cursor.num_scanned[g] = i
+        cursor.next_boundary = min(
+            ((cursor.num_scanned[g] + 1) * self.group_block_sizes[g]
+             for g in self.cacheable_groups), default=1 << 62)
         self._queue_store(gpu_ids, hashes)
 
     def _select_lazy_stores(self) -> None:
@@ -437,6 +452,7 @@ class OffloadScheduler:
         self._queued_stores.clear()
         for cursor in self._cursors.values():
             cursor.num_scanned = [0] * len(cursor.num_scanned)
+            cursor.next_boundary = 0
         return True
 
     def take_events(self) -> Iterable[Any]:

@@ -36,13 +36,14 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    dtype: str = "bfloat16"
     extra_config: dict[str, Any] = field(default_factory=dict)
 
     def llm_kwargs(self) -> dict[str, Any]:
         from vllm.config import KVTransferConfig
 
         kwargs: dict[str, Any] = dict(
-            model=self.model, dtype="bfloat16", max_model_len=self.max_model_len,
+            model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
             enforce_eager=True, seed=0, distributed_executor_backend="uni",
             num_gpu_blocks_override=self.num_gpu_blocks, max_num_seqs=self.max_num_seqs,

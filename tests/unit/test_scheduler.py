@@ -90,6 +90,20 @@ def test_last_block_of_a_request_finishing_in_that_step_is_stored(make_engine):
     engine.assert_idle()
 
 
+def test_an_idle_engine_keeps_stepping_until_its_stores_are_confirmed(make_engine):
+    """The connector reports pending work, so vLLM's busy loop does not go idle
+    with device blocks pinned and CPU copies unpublished."""
+    engine = make_engine(backend="slow-cpu")
+    engine.add("r", _docs(1, 47)[0], max_tokens=2)
+    while not engine.finished:
+        engine.step()
+    assert engine.offload.has_pending_transfers()
+    assert engine.scheduler.has_requests()  # only because of the connector's push work
+    engine.run_until_done()
+    assert engine.offload.totals.data["blocks_stored"] == 3  # 47 + 1 computed tokens
+    engine.assert_idle()
+
+
 def test_cpu_hit_is_pinned_between_lookup_and_allocation(make_engine):
     engine = make_engine(cpu_blocks=8)
     doc = _docs(1, 64)[0]
@@ -203,7 +217,7 @@ def test_store_is_published_only_after_every_rank_reported(make_engine):
     engine = make_engine()
     engine.offload.world_size = 2  # this worker plays one rank of two
     req = engine.add("r", _docs(1, 48)[0], max_tokens=2)
-    while engine.scheduler.has_requests():
+    while "r" not in engine.finished:
         engine.step()
     for _ in range(200):  # let the copies finish and be reported by this rank
         if engine.offload._stores and all(s.reports for s in engine.offload._stores.values()):
