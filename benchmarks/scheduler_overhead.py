@@ -1,0 +1,363 @@
+"""Scheduler-side cost of HALOffloadConnector against vLLM's SimpleCPUOffloadConnector.
+
+No model runs. vLLM's real v1 ``Scheduler`` (with its ``KVCacheManager`` and
+device ``BlockPool``) builds each connector in the SCHEDULER role and replays
+one synthetic request trace, identical for both connectors:
+
+* a closed loop of ``R`` live requests: one arrives whenever one finishes;
+* prompts share prefixes: ``max(4, R)`` documents of 256 tokens, each request
+  one document plus a unique 32-128 token question, 16-96 output tokens;
+* the device pool holds half of what the live requests need, so vLLM evicts
+  prefixes (later served from the CPU tier) and preempts running requests.
+
+A fake model runner answers every step: one sampled token for each request whose
+prompt is complete, and a ``KVConnectorOutput`` that completes in the same step
+every load (``finished_recving``) and store (worker metadata) the connector
+asked for, as a synchronous copy backend would.
+
+Only the connector's scheduler calls are timed (``perf_counter`` around
+``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+``build_connector_meta``, ``update_connector_output``, ``request_finished*``,
+``take_events``, ``get_kv_connector_stats``); vLLM's own scheduling is not.
+Prints a table and writes ``docs/benchmarks/scheduler_overhead.{md,png}``.
+
+    python benchmarks/scheduler_overhead.py [--cpu-blocks 1000 10000 100000]
+                                            [--requests 10 100 1000] [--steps 150] [--repeats 3]
+                                            [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvoffload_hal.testing import set_inprocess_env
+from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama
+
+OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+MODEL_DIR = os.path.expanduser("~/.cache/kvoffload_hal/scheduler_bench_llama")
+MODEL = TinyModelSpec()  # only its config is read: 2 layers, 2 KV heads, head_dim 64
+BLOCK_SIZE = 32
+MAX_NUM_BATCHED_TOKENS = 8192
+DOC_TOKENS = 256  # shared prefix: 8 full blocks
+QUESTION_TOKENS = (32, 128)
+OUTPUT_TOKENS = (16, 96)
+DEVICE_FRACTION = 0.5  # of the blocks the live requests need: forces evictions and preemptions
+SAMPLED_TOKEN = 7
+TARGET_RATIO = 0.5  # ours / upstream, at every point
+
+CONNECTORS = {
+    "HALOffloadConnector": dict(kv_connector="HALOffloadConnector",
+                                kv_connector_module_path="kvoffload_hal.connector"),
+    "SimpleCPUOffloadConnector": dict(kv_connector="SimpleCPUOffloadConnector"),
+}
+TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "request_finished_all_groups",
+         "take_events", "get_kv_connector_stats")
+
+
+@dataclass
+class Point:
+    connector: str
+    cpu_blocks: int
+    live_requests: int
+    steps: int
+    connector_s: dict[str, float]
+    calls: dict[str, int]
+    loads: int = 0  # requests whose prefix came from the CPU tier
+    stores: int = 0  # store jobs completed
+    preemptions: int = 0
+    finished: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def us_per_step(self) -> float:
+        return sum(self.connector_s.values()) / self.steps * 1e6
+
+
+class Timer:
+    """Wraps a connector's scheduler methods; nested calls count once (the outermost)."""
+
+    def __init__(self, connector) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.enabled = False
+        self._depth = 0
+        for name in TIMED:
+            if hasattr(connector, name):
+                setattr(connector, name, self._wrap(name, getattr(connector, name)))
+
+    def _wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            if not self.enabled or self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+                self._depth -= 1
+        return timed
+
+
+def make_vllm_config(model: str, connector: str, max_num_seqs: int):
+    set_inprocess_env()
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=model, dtype="bfloat16", block_size=BLOCK_SIZE, enable_prefix_caching=True,
+        max_model_len=2048, max_num_seqs=max_num_seqs, enforce_eager=True,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, async_scheduling=False,
+        kv_transfer_config=KVTransferConfig(kv_role="kv_both", kv_connector_extra_config={},
+                                            **CONNECTORS[connector]),
+    )
+    config = args.create_engine_config()
+    # The engine core resolves the layout from the attention backend; no backend runs here.
+    config.cache_config.kv_cache_layout = "LBHNC"
+    return config
+
+
+def make_scheduler(vllm_config, num_gpu_blocks: int, num_cpu_blocks: int):
+    import torch
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=MODEL.num_key_value_heads,
+                             head_size=MODEL.head_dim, dtype=torch.bfloat16)
+    layers = {f"model.layers.{i}.self_attn.attn": spec for i in range(MODEL.num_hidden_layers)}
+    bytes_per_block = spec.page_size_bytes * MODEL.num_hidden_layers
+    vllm_config.cache_config.num_gpu_blocks_override = num_gpu_blocks
+    kv_cache_config = get_kv_cache_configs(
+        vllm_config, [layers], [num_gpu_blocks * bytes_per_block])[0]
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    # Both connectors size the CPU tier as bytes // (device bytes per block).
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra["cpu_bytes_to_use"] = num_cpu_blocks * bytes_per_block
+    return Scheduler(vllm_config, kv_cache_config, StructuredOutputManager(vllm_config),
+                     block_size=BLOCK_SIZE)
+
+
+class Trace:
+    """The request stream: deterministic for a given (live requests, seed)."""
+
+    def __init__(self, live_requests: int, seed: int) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        self.rng = random.Random(seed)
+        num_docs = max(4, live_requests)
+        self.docs = [[self.rng.randrange(2, 1000) for _ in range(DOC_TOKENS)]
+                     for _ in range(num_docs)]
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        self.next_id = 0
+
+    def new_request(self):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        doc = self.docs[self.rng.randrange(len(self.docs))]
+        question = [self.rng.randrange(2, 1000)
+                    for _ in range(self.rng.randint(*QUESTION_TOKENS))]
+        params = SamplingParams(temperature=0.0, ignore_eos=True,
+                                max_tokens=self.rng.randint(*OUTPUT_TOKENS))
+        params.update_from_generation_config({}, eos_token_id=1)
+        req = Request(f"r{self.next_id}", doc + question, params, None,
+                      block_hasher=self.block_hasher)
+        self.next_id += 1
+        return req
+
+
+def worker_output(connector: str, scheduler_output):
+    """What a synchronous worker would report for this step's transfers."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    meta = scheduler_output.kv_connector_metadata
+    if connector == "HALOffloadConnector":
+        from kvoffload_hal.metadata import NO_JOB, OffloadWorkerMetadata
+
+        recving = set(meta.load_req_ids)
+        worker_meta = (OffloadWorkerMetadata(stores_done={meta.store_job_id: 1})
+                       if meta.store_job_id != NO_JOB else None)
+    else:
+        from vllm.v1.simple_kv_offload.metadata import (
+            INVALID_JOB_ID,
+            SimpleCPUOffloadWorkerMetadata,
+        )
+
+        recving = {r for reqs in meta.load_event_to_reqs.values() for r in reqs}
+        worker_meta = (SimpleCPUOffloadWorkerMetadata({meta.store_event: 1})
+                       if meta.store_event != INVALID_JOB_ID else None)
+    return KVConnectorOutput(finished_recving=recving or None,
+                             kv_connector_worker_meta=worker_meta), len(recving), worker_meta
+
+
+def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int,
+              warmup_steps: int, seed: int) -> Point:
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    blocks_per_request = -(-(DOC_TOKENS + QUESTION_TOKENS[1] + OUTPUT_TOKENS[1]) // BLOCK_SIZE)
+    num_gpu_blocks = max(2 * blocks_per_request, int(DEVICE_FRACTION * live * blocks_per_request))
+    vllm_config = make_vllm_config(model, connector, max_num_seqs=max(live, 16))
+    scheduler = make_scheduler(vllm_config, num_gpu_blocks, cpu_blocks)
+    timer = Timer(scheduler.get_kv_connector())
+    trace = Trace(live, seed)
+    point = Point(connector, cpu_blocks, live, steps, {}, {})
+    for step in range(warmup_steps + steps):
+        measuring = step >= warmup_steps
+        if step == warmup_steps:
+            # A collection inside a timed call would be charged to that call.
+            gc.collect()
+            gc.disable()
+        timer.enabled = measuring
+        while len(scheduler.requests) < live:
+            scheduler.add_request(trace.new_request())
+        out = scheduler.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = [[SAMPLED_TOKEN] if (r := scheduler.requests[rid]).num_computed_tokens
+                   >= r.num_tokens else [] for rid in req_ids]
+        kv_output, num_loads, stored = worker_output(connector, out)
+        before = len(scheduler.requests)
+        scheduler.update_from_output(out, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, kv_connector_output=kv_output))
+        if measuring:
+            point.loads += num_loads
+            point.stores += stored is not None
+            point.preemptions += len(out.preempted_req_ids or ())
+            point.finished += before - len(scheduler.requests)
+    gc.enable()
+    point.connector_s = dict(timer.seconds)
+    point.calls = dict(timer.calls)
+    return point
+
+
+def format_table(points: list[Point]) -> str:
+    ours = {(p.cpu_blocks, p.live_requests): p for p in points
+            if p.connector == "HALOffloadConnector"}
+    theirs = {(p.cpu_blocks, p.live_requests): p for p in points
+              if p.connector == "SimpleCPUOffloadConnector"}
+    lines = ["| CPU blocks | live requests | ours µs/step | upstream µs/step | ours/upstream "
+             "| target | CPU-tier loads | preemptions | finished |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in sorted(ours):
+        a, b = ours[key], theirs.get(key)
+        if b is None:
+            continue
+        r = a.us_per_step / b.us_per_step
+        lines.append(f"| {key[0]} | {key[1]} | {a.us_per_step:.0f} | {b.us_per_step:.0f} | "
+                     f"{r:.2f} | <= {TARGET_RATIO} {'✓' if r <= TARGET_RATIO else '✗'} | "
+                     f"{a.loads}/{b.loads} | {a.preemptions}/{b.preemptions} | "
+                     f"{a.finished}/{b.finished} |")
+    lines += ["", "Per call, µs per step (ours / upstream):", "",
+              "| CPU blocks | live requests | " + " | ".join(TIMED[:5]) + " |",
+              "|---:|---:|" + "---:|" * 5]
+    for key in sorted(ours):
+        a, b = ours[key], theirs.get(key)
+        if b is None:
+            continue
+        cells = []
+        for name in TIMED[:5]:
+            if name == "request_finished":
+                x = sum(a.connector_s.get(n, 0) for n in TIMED[4:6]) / a.steps * 1e6
+                y = sum(b.connector_s.get(n, 0) for n in TIMED[4:6]) / b.steps * 1e6
+            else:
+                x = a.connector_s.get(name, 0) / a.steps * 1e6
+                y = b.connector_s.get(name, 0) / b.steps * 1e6
+            cells.append(f"{x:.0f} / {y:.0f}")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cpu_blocks = sorted({p.cpu_blocks for p in points})
+    fig, axes = plt.subplots(1, len(cpu_blocks), figsize=(4 * len(cpu_blocks), 3.6),
+                             sharey=True, squeeze=False)
+    for ax, nb in zip(axes[0], cpu_blocks):
+        for name, style in (("HALOffloadConnector", "o-"), ("SimpleCPUOffloadConnector", "s--")):
+            rows = sorted((p for p in points if p.connector == name and p.cpu_blocks == nb),
+                          key=lambda p: p.live_requests)
+            ax.plot([p.live_requests for p in rows], [p.us_per_step for p in rows], style,
+                    label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{nb} CPU blocks", fontsize=9)
+        ax.set_xlabel("live requests")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("connector scheduler µs / engine step")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-blocks", type=int, nargs="+", default=[1000, 10000, 100000])
+    parser.add_argument("--requests", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--steps", type=int, default=150, help="measured steps per point")
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per point, connectors alternating; the fastest is kept")
+    parser.add_argument("--quick", action="store_true",
+                        help="1000 CPU blocks, 10 and 100 requests, 40 steps; no files written")
+    parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.cpu_blocks, args.requests, args.steps, args.warmup_steps = [1000], [10, 100], 40, 20
+        args.repeats = 1
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    model = build_tiny_llama(MODEL_DIR, MODEL)
+    points = []
+    for nb in args.cpu_blocks:
+        for live in args.requests:
+            best: dict[str, Point] = {}
+            for _ in range(args.repeats):  # alternate the connectors, keep each one's best
+                for name in CONNECTORS:
+                    p = run_point(model, name, nb, live, args.steps, args.warmup_steps,
+                                  args.seed)
+                    if name not in best or p.us_per_step < best[name].us_per_step:
+                        best[name] = p
+            for name, p in best.items():
+                points.append(p)
+                print(f"{name:26s} {nb:7d} CPU blocks {live:5d} live: {p.us_per_step:9.0f} µs/step"
+                      f"  loads {p.loads}  stores {p.stores}  preempted {p.preemptions}"
+                      f"  finished {p.finished}", flush=True)
+    table = format_table(points)
+    print(table)
+    if args.quick:
+        return
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    setup = (f"{args.steps} measured steps after {args.warmup_steps} warm-up steps per point; "
+             f"{MAX_NUM_BATCHED_TOKENS} tokens per step; block {BLOCK_SIZE} tokens; device pool "
+             f"{DEVICE_FRACTION:.0%} of the live requests' need; best of {args.repeats} runs "
+             f"(connectors alternating); garbage collection off while timing; seed {args.seed}")
+    (args.out_dir / "scheduler_overhead.md").write_text(
+        f"# Scheduler-side connector overhead\n\n{setup}.\n\n{table}\n\n"
+        "![plot](scheduler_overhead.png)\n")
+    write_plot(points, args.out_dir / "scheduler_overhead.png")
+    print(f"wrote {args.out_dir / 'scheduler_overhead.md'} and scheduler_overhead.png")
+
+
+if __name__ == "__main__":
+    main()
