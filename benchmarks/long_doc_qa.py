@@ -15,6 +15,11 @@ Four engines run side by side for each ``N`` (same model, same prompts):
    30 documents (the connector requires prefix caching);
 4. ``prefix-cache-limit``: a device cache big enough for every document.
 
+With ``--same-batch-limit`` another engine runs: ``limit-at-8-seqs``, (4) with at
+most 8 requests in a batch, about what a device cache of 8 documents admits. It
+separates what the copies cost from what the small batches cost: (3) computes
+the same tokens as (4), but in several times more, smaller steps.
+
 With ``--disk`` a fifth engine runs: ``prefix-cache+offload+disk``, (3) plus a
 disk tier behind the CPU tier big enough for every document (write-through, so
 the warm-up pass fills it). It matters where the working set outgrows the CPU
@@ -26,7 +31,8 @@ logging is enabled), prompt tokens served from a cache, and the connector's CPU
 tier hits. Prints a table and writes ``docs/benchmarks/long_doc_qa.{md,png}``.
 
     python benchmarks/long_doc_qa.py [--num-documents 16 32 64] [--document-length 256]
-                                     [--repeats 1] [--disk [--disk-dir DIR]] [--quick]
+                                     [--repeats 1] [--disk [--disk-dir DIR]]
+                                     [--same-batch-limit] [--quick]
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ MODEL = TinyModelSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 BF16_BYTES = 2
 OUTPUT_TOKENS = 10
+DEFAULT_LENGTH = 256  # tokens per document
 DEVICE_DOCS = 8  # the device cache of engines (1)-(3) holds this many documents
 CPU_DOCS = 30  # the CPU tier holds this many documents
 TOKEN_ID_FLOOR = 2  # ids 0 and 1 are <s> and </s> in the tiny tokenizer
@@ -69,6 +76,8 @@ TARGET_DISK_SPEEDUP = 1.5
 
 CONFIGS = ("no-prefix-cache", "prefix-cache", "prefix-cache+offload", "prefix-cache-limit")
 DISK = "prefix-cache+offload+disk"
+SAME_BATCH = "limit-at-8-seqs"
+EXTRA_CONFIGS = (DISK, SAME_BATCH)
 
 
 @dataclass
@@ -122,7 +131,7 @@ def engine_spec(config: str, num_docs: int, length: int, model: str,
         # Room for every document's full blocks, with a spare document.
         extra = dict(disk_path=disk_dir,
                      disk_bytes_to_use=(num_docs + 1) * blocks_per_doc * block_bytes(MODEL))
-    if config == "prefix-cache-limit":
+    if config in ("prefix-cache-limit", SAME_BATCH):
         # A full copy for each of the 2N requests of the measured pass: nothing
         # is ever evicted and nothing is preempted, whatever the batching.
         num_gpu_blocks = 2 * num_docs * blocks_per_doc
@@ -137,6 +146,7 @@ def engine_spec(config: str, num_docs: int, length: int, model: str,
         cpu_bytes_to_use=CPU_DOCS * (length // BLOCK_SIZE) * block_bytes(MODEL),
         enable_prefix_caching=config != "no-prefix-cache",
         extra_config=extra,
+        max_num_seqs=DEVICE_DOCS if config == SAME_BATCH else 256,
     )
 
 
@@ -237,6 +247,11 @@ def format_table(results: list[Result], ns: list[int]) -> str:
             met = speedup >= 1.0
             lines.append(f"| {n} | {speedup:.2f}x | >= 1x | {vs_limit:.2f}x | - | "
                          f"{'yes' if met else 'no'} |")
+    if any(r.config == SAME_BATCH for r in results):
+        lines += ["", f"| docs | (3)/({SAME_BATCH}) | (4)/({SAME_BATCH}) |", "|---:|---:|---:|"]
+        for n in ns:
+            lines.append(f"| {n} | {ratio(results, n, 'prefix-cache+offload', SAME_BATCH):.2f}x "
+                         f"| {ratio(results, n, 'prefix-cache-limit', SAME_BATCH):.2f}x |")
     if any(r.config == DISK for r in results):
         lines += ["", "| docs | (2)/(5) speed-up with the disk tier | target | blocks promoted "
                   "from disk | met |", "|---:|---:|---:|---:|:---|"]
@@ -256,7 +271,7 @@ def write_plot(results: list[Result], ns: list[int], path: Path, title: str) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = [c for c in (*CONFIGS, DISK) if any(r.config == c for r in results)]
+    configs = [c for c in (*CONFIGS, *EXTRA_CONFIGS) if any(r.config == c for r in results)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(configs)
     for k, config in enumerate(configs):
@@ -278,14 +293,17 @@ def write_plot(results: list[Result], ns: list[int], path: Path, title: str) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-documents", type=int, nargs="+", default=[16, 32, 64])
-    parser.add_argument("--document-length", type=int, default=256,
+    parser.add_argument("--document-length", type=int, default=DEFAULT_LENGTH,
                         help="tokens per document (a multiple of 32 keeps blocks full)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per engine; the fastest measured pass is kept")
     parser.add_argument("--seed", type=int, default=0, help="order of the measured pass")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=(*CONFIGS, DISK))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=(*CONFIGS, *EXTRA_CONFIGS))
     parser.add_argument("--disk", action="store_true",
                         help=f"also run {DISK}: a disk tier holding every document")
+    parser.add_argument("--same-batch-limit", action="store_true",
+                        help=f"also run {SAME_BATCH}: the limit engine with at most "
+                             f"{DEVICE_DOCS} requests per batch")
     parser.add_argument("--disk-dir", default=None,
                         help="where the disk tier's temporary directories go (default: $TMPDIR)")
     parser.add_argument("--quick", action="store_true",
@@ -296,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
         args.num_documents, args.document_length = [8], 256
     if args.disk and DISK not in args.configs:
         args.configs.append(DISK)
+    if args.same_batch_limit and SAME_BATCH not in args.configs:
+        args.configs.append(SAME_BATCH)
 
     model = build_tiny_llama(MODEL_DIR, MODEL)
     from transformers import AutoTokenizer
@@ -336,12 +356,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         return
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "long_doc_qa.md").write_text(
-        f"# Long-document QA\n\n{shape}.\n\n{setup}.\n\n{table}\n\n![plot](long_doc_qa.png)\n")
-    write_plot(results, args.num_documents, args.out_dir / "long_doc_qa.png",
+    # The default document length writes long_doc_qa.*, others long_doc_qa_<L>.*
+    stem = ("long_doc_qa" if args.document_length == DEFAULT_LENGTH
+            else f"long_doc_qa_{args.document_length}")
+    (args.out_dir / f"{stem}.md").write_text(
+        f"# Long-document QA, {args.document_length}-token documents\n\n{shape}.\n\n"
+        f"{setup}.\n\n{table}\n\n![plot]({stem}.png)\n")
+    write_plot(results, args.num_documents, args.out_dir / f"{stem}.png",
                f"long-document QA, {args.document_length}-token documents; {shape}")
-    print(f"wrote {args.out_dir / 'long_doc_qa.md'} and long_doc_qa.png")
-
+    print(f"wrote {args.out_dir / stem}.md and {stem}.png")
 
 if __name__ == "__main__":
     main()

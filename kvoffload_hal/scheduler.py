@@ -28,7 +28,13 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, SlidingWindowSpec
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload_hal.config import OffloadConfig, num_cpu_blocks, num_disk_blocks
@@ -130,6 +136,14 @@ class OffloadScheduler:
             if getattr(self.coordinator.single_type_managers[g],
                        "has_positionally_stable_blocks", True)
         ]
+        # One full-attention group hashed at its own block size: a miss on the
+        # first block beyond the device hit is a miss, and the lookup can stop
+        # at one dict probe (most waiting requests, most steps).
+        groups = self.cpu_kv_cache_config.kv_cache_groups
+        self._probe_first_block = (
+            len(groups) == 1 and type(groups[0].kv_cache_spec) is FullAttentionSpec
+            and self.block_size == self.hash_block_size)
+        self._cpu_hash_map = self.cpu_pool.cached_block_hash_to_block
         self.gpu_pool: BlockPool | None = None
         self.lazy_target_blocks = (
             _lazy_target_blocks(kv_cache_config, vllm_config.scheduler_config.max_num_batched_tokens)
@@ -177,11 +191,17 @@ class OffloadScheduler:
             return None, False  # a load for this request is still in flight: ask later
         if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
             return 0, False
-        hashes = request.block_hashes[num_computed_tokens // self.hash_block_size:]
+        start = num_computed_tokens // self.hash_block_size
+        block_hashes = request.block_hashes
         # The last prompt token is always computed: the model must produce logits.
         max_hit_tokens = request.num_tokens - 1 - num_computed_tokens
-        if not hashes or max_hit_tokens <= 0:
+        if start >= len(block_hashes) or max_hit_tokens <= 0:
             return 0, False
+        if (self._probe_first_block and self.disk is None
+                and self._cpu_hash_map.get_one_block(
+                    make_block_hash_with_group_id(block_hashes[start], 0)) is None):
+            return 0, False
+        hashes = block_hashes[start:]
         hit_blocks, hit_tokens, _ = self.coordinator.find_longest_cache_hit(hashes, max_hit_tokens)
         if self.disk is not None:
             # Blocks promoted for this request were pinned until now; the lookup
@@ -459,8 +479,10 @@ class OffloadScheduler:
         return self.cpu_pool.take_events()
 
     def get_stats(self) -> OffloadStats | None:
+        if self._stats.is_empty():  # called every step: most steps have nothing
+            return None
         stats, self._stats = self._stats, OffloadStats()
-        return None if stats.is_empty() else stats
+        return stats
 
     def has_pending_transfers(self) -> bool:
         return bool(self._loads or self._stores or self._queued_stores

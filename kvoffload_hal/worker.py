@@ -5,6 +5,9 @@ and every KV tensor is described as block regions from its shape and strides,
 whatever the attention backend's layout. Jobs are launched in ``get_finished``,
 after the step's forward pass was enqueued; the backend fences stores behind
 the compute already enqueued, so a store never reads a block being written.
+Where the forward pass has already finished by then (``synchronous_compute``,
+vLLM's CPU platform), the worker waits for the step's jobs and reports them in
+the same step.
 A job's requests and device blocks travel with the job as its tag, so a
 completion observed any number of steps later still finds its requests.
 """
@@ -105,7 +108,9 @@ class OffloadWorker:
         if self.backend is None:
             return set(), set(), set()
         meta = self._metadata
+        submitted = False
         if meta is not None:
+            submitted = meta.store_job_id != NO_JOB or meta.load_job_id != NO_JOB
             # Job ids are idempotent in the backend: a second call with the same
             # metadata launches nothing twice.
             if meta.store_job_id != NO_JOB:
@@ -118,7 +123,10 @@ class OffloadWorker:
                     meta.load_gpu_blocks, tag=(tuple(meta.load_req_ids), tuple(meta.load_gpu_blocks))))
             if self.tier is not None:
                 self._submit_tier_jobs(meta)
-        self._collect(self.backend.poll())
+        if submitted and self.backend.synchronous_compute:
+            self._collect(self.backend.flush())  # nothing to overlap: report this step
+        else:
+            self._collect(self.backend.poll())
         if self.tier is not None:
             for result in self.tier.poll():
                 self._tier_reports[result.job_id] = 1
@@ -156,8 +164,10 @@ class OffloadWorker:
             meta.tier_evictions = []
 
     def get_stats(self) -> OffloadStats | None:
+        if self._stats.is_empty():  # called every step: most steps have nothing
+            return None
         stats, self._stats = self._stats, OffloadStats()
-        return None if stats.is_empty() else stats
+        return stats
 
     def shutdown(self) -> None:
         if self.tier is not None:

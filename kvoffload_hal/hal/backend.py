@@ -124,6 +124,12 @@ class DmaCopyBackend(ABC):
 
     #: Name under which the registry selects this backend (``KVOFFLOAD_HAL_BACKEND``).
     name: ClassVar[str] = ""
+    #: True where the device's compute has already finished when the worker submits
+    #: a step's copies (vLLM's CPU platform runs the forward pass synchronously).
+    #: There is then no compute left to overlap the copies with, and the worker
+    #: waits for them: their results reach the scheduler in the same step, so a
+    #: request waiting for a load is scheduled one step earlier.
+    synchronous_compute: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None

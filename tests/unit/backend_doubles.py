@@ -15,9 +15,11 @@ launches: list[tuple[str, int]] = []  # (direction, descriptors) of every launch
 
 
 class SlowCpuBackend(CpuCopyBackend):
-    """Each launch takes a while, so jobs stay in flight across engine steps."""
+    """Each launch takes a while, and the worker does not wait for it (as on a
+    device): jobs stay in flight across engine steps."""
 
     name = "slow-cpu"
+    synchronous_compute = False
     delay_s = 0.004
 
     def _launch(self, direction, batch, fence):

@@ -104,6 +104,29 @@ def test_an_idle_engine_keeps_stepping_until_its_stores_are_confirmed(make_engin
     engine.assert_idle()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "slow-cpu"])
+def test_copies_complete_in_their_step_only_where_compute_is_synchronous(make_engine, backend):
+    """On vLLM's CPU platform the worker waits for the step's copies: a request
+    waiting for a load is scheduled in the next step. On a device it does not."""
+    engine = make_engine(backend=backend)
+    docs = _docs(6, 80)
+    for i, d in enumerate(docs):
+        engine.add(f"a{i}", d)
+    engine.run_until_done()
+    steps_with_jobs_in_flight = 0
+    for i, d in enumerate(docs):
+        engine.add(f"b{i}", d + [5, 6])
+    while engine.scheduler.has_requests():
+        engine.step()
+        steps_with_jobs_in_flight += bool(engine.offload._loads or engine.offload._stores)
+    assert engine.offload.totals.data["cpu_hit_tokens"] == 6 * 80
+    if backend == "cpu":
+        assert steps_with_jobs_in_flight == 0
+    else:
+        assert steps_with_jobs_in_flight > 0
+    engine.assert_idle()
+
+
 def test_cpu_hit_is_pinned_between_lookup_and_allocation(make_engine):
     engine = make_engine(cpu_blocks=8)
     doc = _docs(1, 64)[0]
