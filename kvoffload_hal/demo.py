@@ -17,7 +17,13 @@ import os
 import random
 import time
 
-from kvoffload_hal.testing import EngineSpec, close_llm, make_llm, scheduler_connector, set_inprocess_env
+from kvoffload_hal.testing import (
+    EngineSpec,
+    close_llm,
+    make_llm,
+    scheduler_connector,
+    set_inprocess_env,
+)
 from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama, synthetic_text
 
 BLOCK_SIZE = 32

@@ -20,15 +20,15 @@ No device is touched here.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import chain
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
-
 from kvoffload_hal.backends.cuda._driver import (
     CU_MEM_LOCATION_TYPE_DEVICE,
     CU_MEM_LOCATION_TYPE_HOST,
@@ -31,6 +30,7 @@ from kvoffload_hal.backends.cuda._driver import (
     CudaDriver,
     CUmemcpyAttributes,
 )
+
 from kvoffload_hal.hal.backend import Direction
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.logger import init_logger

@@ -23,7 +23,6 @@ from __future__ import annotations
 import mmap
 
 import torch
-
 from kvoffload_hal.backends.cuda._driver import CudaDriver
 
 __all__ = ["HostRegistry", "REGISTER_CHUNK_BYTES"]

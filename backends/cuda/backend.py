@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from kvoffload_hal.backends.cuda._copy import BatchCopier
 from kvoffload_hal.backends.cuda._driver import (
     CU_EVENT_DISABLE_TIMING,
@@ -46,6 +45,7 @@ from kvoffload_hal.backends.cuda._driver import (
     probe_library,
 )
 from kvoffload_hal.backends.cuda._host import REGISTER_CHUNK_BYTES, HostRegistry
+
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.hal.threaded import ThreadedCopyBackend

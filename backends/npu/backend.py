@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from kvoffload_hal.backends.npu._acl import AclRuntime, load_acl_library
+
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.hal.threaded import ThreadedCopyBackend

@@ -153,7 +153,7 @@ def test_loop_fallback_without_batch_entry_point_is_logged_once(
         fake, make_setup, caplog, monkeypatch):
     monkeypatch.setattr(cuda_backend, "_logged_paths", set())
     with caplog.at_level("INFO", logger=cuda_backend.__name__):
-        first, second = make_setup(), make_setup()
+        first, _ = make_setup(), make_setup()
     assert first.backend.copy_path == _copy.LOOP_PATH
     messages = [r.getMessage() for r in caplog.records if "copies:" in r.getMessage()]
     assert len(messages) == 1 and "cuMemcpyAsync loop" in messages[0]
