@@ -24,10 +24,16 @@ from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.core.kv_cache_utils import (
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -115,13 +121,14 @@ class OffloadScheduler:
             kv_cache_config, config.cpu_bytes_per_rank(self.world_size))
         self.cpu_kv_cache_config = derive_cpu_kv_cache_config(kv_cache_config, self.num_cpu_blocks)
         events = vllm_config.kv_events_config
+        self.emit_kv_events = bool(events and events.enable_kv_cache_events)
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config=self.cpu_kv_cache_config,
             max_model_len=vllm_config.model_config.max_model_len,
             max_in_flight_tokens=vllm_config.max_in_flight_tokens,
             use_eagle=False,
             enable_caching=True,
-            enable_kv_cache_events=bool(events and events.enable_kv_cache_events),
+            enable_kv_cache_events=self.emit_kv_events,
             dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
             pcp_world_size=1,
             scheduler_block_size=self.block_size,
@@ -130,6 +137,9 @@ class OffloadScheduler:
             allow_partial_hash_hits=False,
         )
         self.cpu_pool: BlockPool = self.coordinator.block_pool
+        # Evictions from this pool are evictions from CPU memory: label its KV
+        # events so a KV-aware router does not take them for device ones.
+        self.cpu_pool.medium = MEDIUM_CPU
         self.group_block_sizes = self.coordinator.group_block_sizes
         self.cacheable_groups = [
             g for g in self.cpu_kv_cache_config.prefix_cacheable_group_ids
@@ -347,6 +357,8 @@ class OffloadScheduler:
         elif not store.abandoned:
             for block, block_hash in zip(cpu_blocks, store.hashes):
                 _publish(self.cpu_pool, block, block_hash)
+            if self.emit_kv_events:
+                self._queue_stored_events(store.hashes)
             for stats in (self._stats, self.totals):
                 stats.record_store(len(cpu_blocks))
             if self.disk is not None:
@@ -474,6 +486,22 @@ class OffloadScheduler:
             cursor.num_scanned = [0] * len(cursor.num_scanned)
             cursor.next_boundary = 0
         return True
+
+    def _queue_stored_events(self, hashes: list[Any]) -> None:
+        """One ``BlockStored`` (medium CPU) per published block.
+
+        Blocks are published one by one, not as a chain of one request's
+        blocks, so parent hash and token ids are not known here; consumers key
+        on the block hash, as for blocks offloaded by vLLM's own CPU offload.
+        """
+        queue = self.cpu_pool.kv_event_queue
+        for key in hashes:
+            group = get_group_id(key)
+            queue.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                parent_block_hash=None, token_ids=[],
+                block_size=self.group_block_sizes[group], lora_id=None,
+                medium=MEDIUM_CPU, lora_name=None, group_idx=group, locality="LOCAL"))
 
     def take_events(self) -> Iterable[Any]:
         return self.cpu_pool.take_events()

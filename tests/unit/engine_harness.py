@@ -25,7 +25,7 @@ from kvoffload_hal.testing import set_inprocess_env
 set_inprocess_env()
 
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
@@ -99,7 +99,8 @@ class Engine:
     def __init__(self, model_dir: str, *, num_gpu_blocks: int, cpu_blocks: int,
                  block_size: int = 16, lazy: bool = False, sliding_window: int | None = None,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 32,
-                 world_size_reports: int = 1, extra_config: dict | None = None) -> None:
+                 world_size_reports: int = 1, extra_config: dict | None = None,
+                 kv_events: bool = False) -> None:
         self.block_size = block_size
         groups = [FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
                                     head_size=HEAD_DIM, dtype=torch.bfloat16)]
@@ -117,6 +118,8 @@ class Engine:
         )
         cpu_bytes = cpu_blocks * page
         args = EngineArgs(
+            kv_events_config=(KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                              if kv_events else None),
             model=model_dir, block_size=block_size, enable_prefix_caching=True,
             max_model_len=2048, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enforce_eager=True,

@@ -127,6 +127,26 @@ def test_copies_complete_in_their_step_only_where_compute_is_synchronous(make_en
     engine.assert_idle()
 
 
+def test_kv_events_of_the_cpu_tier_say_cpu(make_engine):
+    """A KV-aware router must not take CPU-tier stores and evictions for device ones."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    engine = make_engine(cpu_blocks=12, kv_events=True)  # small: the tier evicts
+    batches = []
+    engine.scheduler.kv_event_publisher.publish = batches.append
+    _two_passes(engine, _docs(6, 80))
+    events = [e for batch in batches for e in batch.events]
+    cpu_stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    cpu_removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+    assert len(cpu_stored) == engine.offload.totals.data["blocks_stored"]
+    assert cpu_removed
+    stored_hashes = {h for e in cpu_stored for h in e.block_hashes}
+    assert {h for e in cpu_removed for h in e.block_hashes} <= stored_hashes
+    # Device events keep their own medium.
+    assert any(isinstance(e, BlockStored) and e.medium == "GPU" for e in events)
+    engine.assert_idle()
+
+
 def test_cpu_hit_is_pinned_between_lookup_and_allocation(make_engine):
     engine = make_engine(cpu_blocks=8)
     doc = _docs(1, 64)[0]
