@@ -117,8 +117,12 @@ def make_vllm_config(model: str, connector: str, max_num_seqs: int):
         model=model, dtype="bfloat16", block_size=BLOCK_SIZE, enable_prefix_caching=True,
         max_model_len=2048, max_num_seqs=max_num_seqs, enforce_eager=True,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, async_scheduling=False,
-        kv_transfer_config=KVTransferConfig(kv_role="kv_both", kv_connector_extra_config={},
-                                            **CONNECTORS[connector]),
+        # Asynchronous loads for both: the same protocol, and the one used on devices
+        # (on the CPU platform ours defaults to synchronous loads).
+        kv_transfer_config=KVTransferConfig(
+            kv_role="kv_both", **CONNECTORS[connector],
+            kv_connector_extra_config=({"load_mode": "async"}
+                                       if connector == "HALOffloadConnector" else {})),
     )
     config = args.create_engine_config()
     # The engine core resolves the layout from the attention backend; no backend runs here.

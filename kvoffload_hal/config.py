@@ -14,6 +14,12 @@ key                    default     meaning
 ``disk_bytes_to_use``  (none)      disk tier capacity for the whole instance, split
                                    across ranks (int bytes > 0; needs ``disk_path``)
 ``disk_o_direct``      ``false``   bypass the page cache for disk-tier IO
+``load_mode``          ``auto``    ``sync``: a CPU hit is loaded before the forward
+                                   pass of the step that schedules the request;
+                                   ``async``: the request waits for its load over
+                                   one or more steps; ``auto``: ``sync`` on vLLM's
+                                   CPU platform with one KV cache group, else
+                                   ``async``
 =====================  ==========  =================================================
 
 Validated once at start-up: a wrong type or range raises ``ValueError`` naming the
@@ -37,7 +43,8 @@ DEFAULT_CPU_BYTES_TO_USE = 4 << 30
 
 
 VALID_KEYS = ("cpu_bytes_to_use", "lazy_offload", "disk_path", "disk_bytes_to_use",
-              "disk_o_direct")
+              "disk_o_direct", "load_mode")
+LOAD_MODES = ("auto", "async", "sync")
 
 
 def _positive_int(key: str, value: Any) -> int:
@@ -61,6 +68,7 @@ class OffloadConfig:
     disk_path: str | None = None
     disk_bytes_to_use: int = 0
     disk_o_direct: bool = False
+    load_mode: str = "auto"
 
     @property
     def disk_enabled(self) -> bool:
@@ -79,12 +87,16 @@ class OffloadConfig:
                                   extra.get("cpu_bytes_to_use", DEFAULT_CPU_BYTES_TO_USE))
         lazy = _bool("lazy_offload", extra.get("lazy_offload", False))
         o_direct = _bool("disk_o_direct", extra.get("disk_o_direct", False))
+        load_mode = extra.get("load_mode", "auto")
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"kv_connector_extra_config['load_mode']={load_mode!r}: expected "
+                             f"one of {', '.join(LOAD_MODES)}")
         disk_path = extra.get("disk_path")
         if disk_path is None:
             if "disk_bytes_to_use" in extra:
                 raise ValueError("kv_connector_extra_config['disk_bytes_to_use'] is set but "
                                  "'disk_path' is not: expected both for a disk tier")
-            return cls(cpu_bytes, lazy, disk_o_direct=o_direct)
+            return cls(cpu_bytes, lazy, disk_o_direct=o_direct, load_mode=load_mode)
         if not isinstance(disk_path, str) or not disk_path:
             raise ValueError(f"kv_connector_extra_config['disk_path']={disk_path!r}: "
                              "expected a directory path")
@@ -93,7 +105,7 @@ class OffloadConfig:
                              "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
         disk_bytes = _positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
         _check_writable_dir(disk_path)
-        return cls(cpu_bytes, lazy, disk_path, disk_bytes, o_direct)
+        return cls(cpu_bytes, lazy, disk_path, disk_bytes, o_direct, load_mode)
 
     def cpu_bytes_per_rank(self, world_size: int) -> int:
         return self.cpu_bytes_to_use // max(1, world_size)

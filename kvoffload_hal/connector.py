@@ -126,10 +126,10 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.shutdown()
 
-    # Copies are whole-step batches launched from get_finished: the per-layer
-    # hooks have nothing to do.
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        pass
+        self.worker.start_load_kv()  # synchronous loads; asynchronous ones go in get_finished
+
+    # Copies are whole-step batches: the per-layer hooks have nothing to do.
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass

@@ -24,6 +24,10 @@ class OffloadMetadata(KVConnectorMetadata):
     load_cpu_blocks: list[int] = field(default_factory=list)
     load_gpu_blocks: list[int] = field(default_factory=list)
     load_req_ids: list[str] = field(default_factory=list)
+    # The load feeds this step's forward pass: the worker runs it in start_load_kv,
+    # before the forward, and reports it in OffloadWorkerMetadata (the request is
+    # running, not waiting for it).
+    load_sync: bool = False
     store_job_id: int = NO_JOB
     store_gpu_blocks: list[int] = field(default_factory=list)
     store_cpu_blocks: list[int] = field(default_factory=list)
@@ -43,6 +47,8 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
     stores_done: dict[int, int] = field(default_factory=dict)
     stores_failed: dict[int, int] = field(default_factory=dict)
+    loads_done: dict[int, int] = field(default_factory=dict)  # synchronous loads
+    loads_failed: dict[int, int] = field(default_factory=dict)
     tier_reports: dict[int, int] = field(default_factory=dict)
     tier_failed: dict[int, list[str]] = field(default_factory=dict)  # keys that failed
 
@@ -54,6 +60,8 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return OffloadWorkerMetadata(
             _sum(self.stores_done, other.stores_done),
             _sum(self.stores_failed, other.stores_failed),
+            _sum(self.loads_done, other.loads_done),
+            _sum(self.loads_failed, other.loads_failed),
             _sum(self.tier_reports, other.tier_reports),
             failed,
         )

@@ -66,7 +66,17 @@ class _Load:
     gpu_ids: list[int]
     cpu_ids: list[int]
     num_tokens: int
+    sync: bool  # run before the forward pass of the step that schedules the request
     job_id: int = NO_JOB
+
+
+@dataclass
+class _SyncLoadJob:
+    """Reports of a synchronous load job, counted over ranks like a store's."""
+
+    req_ids: list[str]
+    reports: int = 0
+    failed: bool = False
 
 
 @dataclass
@@ -162,6 +172,8 @@ class OffloadScheduler:
 
         self._pending_hits: dict[str, tuple[tuple[list[KVCacheBlock], ...], int]] = {}
         self._loads: dict[str, _Load] = {}
+        self._sync_load_jobs: dict[int, _SyncLoadJob] = {}
+        self.sync_loads = _use_sync_loads(config.load_mode, kv_cache_config)
         self._stores: dict[int, _Store] = {}
         self._queued_stores: list[tuple[list[int], list[int], list[Any]]] = []
         self._in_flight_gpu: set[int] = set()  # device blocks with a store queued or running
@@ -184,9 +196,9 @@ class OffloadScheduler:
         self._stats = OffloadStats()  # drained by get_stats() every step
         self.totals = OffloadStats()  # since start-up, for tests, the demo and logs
         logger.info(
-            "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores",
-            self.num_cpu_blocks, config.cpu_bytes_per_rank(self.world_size) / 2**30,
-            "lazy" if config.lazy_offload else "eager",
+            "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores, "
+            "%s loads", self.num_cpu_blocks, config.cpu_bytes_per_rank(self.world_size) / 2**30,
+            "lazy" if config.lazy_offload else "eager", "sync" if self.sync_loads else "async",
         )
 
     # ------------------------------------------------------------ binding
@@ -229,7 +241,7 @@ class OffloadScheduler:
         # take the hit away (the lookup/allocation race).
         self.cpu_pool.touch([b for group in hit_blocks for b in group if not b.is_null])
         self._pending_hits[request.request_id] = (hit_blocks, num_computed_tokens)
-        return hit_tokens, True
+        return hit_tokens, not self.sync_loads
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -263,7 +275,7 @@ class OffloadScheduler:
         assert self.gpu_pool is not None, "bind_gpu_block_pool() was not called"
         # The request could be aborted mid-copy: keep its device blocks ours.
         self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
-        self._loads[req_id] = _Load(gpu_ids, cpu_ids, num_external_tokens)
+        self._loads[req_id] = _Load(gpu_ids, cpu_ids, num_external_tokens, self.sync_loads)
 
     # --------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
@@ -302,6 +314,9 @@ class OffloadScheduler:
             job = self._next_load_job
             self._next_load_job += 1
             meta.load_job_id = job
+            meta.load_sync = self.sync_loads
+            if self.sync_loads:
+                self._sync_load_jobs[job] = _SyncLoadJob([r for r, _ in new_loads])
             for req_id, load in new_loads:
                 load.job_id = job
                 meta.load_req_ids.append(req_id)
@@ -333,6 +348,10 @@ class OffloadScheduler:
                     self._count_store_report(job, n)
             for job, n in meta.stores_done.items():
                 self._count_store_report(job, n)
+            for job, n in meta.loads_failed.items():
+                self._count_sync_load_report(job, n, failed=True)
+            for job, n in meta.loads_done.items():
+                self._count_sync_load_report(job, n, failed=False)
             if self.disk is not None and meta.tier_reports:
                 before = (self.disk.blocks_spilled, self.disk.blocks_promoted)
                 self.disk.on_reports(meta.tier_reports, meta.tier_failed)
@@ -366,6 +385,26 @@ class OffloadScheduler:
         self.cpu_pool.free_blocks(cpu_blocks)
         self._release_gpu(store.gpu_ids)
 
+    def _count_sync_load_report(self, job: int, n: int, failed: bool) -> None:
+        entry = self._sync_load_jobs.get(job)
+        if entry is None:
+            return
+        entry.reports += n
+        entry.failed |= failed
+        if entry.reports < self.world_size:
+            return  # the blocks stay pinned until every rank has read them
+        del self._sync_load_jobs[job]
+        for req_id in entry.req_ids:
+            load = self._loads.pop(req_id)
+            if entry.failed:
+                # vLLM recomputes these blocks (reported as load errors by the
+                # worker); stop offering the copy, as for an asynchronous load.
+                self.cpu_pool.evict_blocks(set(load.cpu_ids))
+            else:
+                for stats in (self._stats, self.totals):
+                    stats.record_load(len(load.gpu_ids), load.num_tokens)
+            self._release_load(load)
+
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: "Request",
                          block_ids: tuple[list[int], ...] | list[int]) -> tuple[bool, None]:
@@ -383,6 +422,10 @@ class OffloadScheduler:
         if load is not None and load.job_id == NO_JOB:
             del self._loads[req_id]  # never sent to a worker: nothing in flight
             self._release_load(load)
+            load = None
+        elif load is not None and load.sync:
+            # Done before the forward pass that used it; its pins go when the
+            # job's reports arrive. Nothing for vLLM to wait for.
             load = None
         # A load in flight will still be reported in finished_recving: vLLM must
         # keep the request (and free its blocks) until then. Device blocks of
@@ -543,6 +586,25 @@ def _publish(pool: BlockPool, block: "KVCacheBlock", block_hash: Any) -> None:
     # vLLM 0.32 has no public "insert this hash" call; this is the one place
     # coupled to a private BlockPool method.
     pool._insert_block_hash(block_hash, block, num_tokens=None)
+
+
+def _use_sync_loads(load_mode: str, kv_cache_config: KVCacheConfig) -> bool:
+    """``load_mode`` resolved: synchronous loads need one KV cache group.
+
+    vLLM maps a failed synchronous load back to its requests through block ids,
+    which are per group; with one group that mapping is exact.
+    """
+    num_groups = len(kv_cache_config.kv_cache_groups)
+    if load_mode == "auto":
+        from vllm.platforms import current_platform
+
+        # On the CPU platform the forward pass cannot overlap a copy anyway.
+        return current_platform.is_cpu() and num_groups == 1
+    if load_mode == "sync" and num_groups != 1:
+        raise ValueError(
+            f"kv_connector_extra_config['load_mode']='sync': expected a model with one KV "
+            f"cache group, this one has {num_groups}; use 'async' or 'auto'")
+    return load_mode == "sync"
 
 
 def _lazy_target_blocks(kv_cache_config: KVCacheConfig, max_num_batched_tokens: int) -> int:

@@ -54,6 +54,8 @@ class OffloadWorker:
         self._load_error_blocks: set[int] = set()
         self._stores_done: dict[int, int] = {}
         self._stores_failed: dict[int, int] = {}
+        self._loads_done: dict[int, int] = {}
+        self._loads_failed: dict[int, int] = {}
         self._tier_reports: dict[int, int] = {}
         self._tier_failed: dict[int, list[str]] = {}
         self._last_tier_job = NO_JOB
@@ -99,6 +101,28 @@ class OffloadWorker:
         if metadata.need_flush and self.backend is not None:
             self._collect(self.backend.flush())
 
+    def start_load_kv(self) -> None:
+        """Run a synchronous load before the forward pass that reads it.
+
+        vLLM calls this before the forward pass on steps with synchronous loads
+        (and after it otherwise, where there is nothing to do here).
+        """
+        meta = self._metadata
+        if self.backend is None or meta is None or not meta.load_sync:
+            return
+        if meta.load_job_id == NO_JOB:
+            return
+        self._submit_load(meta)
+        # The forward pass reads these blocks next: wait for them (this also
+        # collects anything else that finished meanwhile).
+        self._collect(self.backend.flush())
+
+    def _submit_load(self, meta: OffloadMetadata) -> None:
+        assert self.backend is not None
+        self.backend.submit(TransferJob(
+            meta.load_job_id, Direction.LOAD, meta.load_cpu_blocks, meta.load_gpu_blocks,
+            tag=(tuple(meta.load_req_ids), tuple(meta.load_gpu_blocks), meta.load_sync)))
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """Launch this step's jobs, collect finished ones.
 
@@ -118,9 +142,7 @@ class OffloadWorker:
                     meta.store_job_id, Direction.STORE,
                     meta.store_gpu_blocks, meta.store_cpu_blocks))
             if meta.load_job_id != NO_JOB:
-                self.backend.submit(TransferJob(
-                    meta.load_job_id, Direction.LOAD, meta.load_cpu_blocks,
-                    meta.load_gpu_blocks, tag=(tuple(meta.load_req_ids), tuple(meta.load_gpu_blocks))))
+                self._submit_load(meta)  # a synchronous one was launched already: no-op
             if self.tier is not None:
                 self._submit_tier_jobs(meta)
         if submitted and self.backend.synchronous_compute:
@@ -141,11 +163,13 @@ class OffloadWorker:
         return errors
 
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
-        if not (self._stores_done or self._stores_failed or self._tier_reports):
+        if not (self._stores_done or self._stores_failed or self._loads_done
+                or self._loads_failed or self._tier_reports):
             return None
-        meta = OffloadWorkerMetadata(self._stores_done, self._stores_failed,
-                                     self._tier_reports, self._tier_failed)
+        meta = OffloadWorkerMetadata(self._stores_done, self._stores_failed, self._loads_done,
+                                     self._loads_failed, self._tier_reports, self._tier_failed)
         self._stores_done, self._stores_failed = {}, {}
+        self._loads_done, self._loads_failed = {}, {}
         self._tier_reports, self._tier_failed = {}, {}
         return meta
 
@@ -187,7 +211,16 @@ class OffloadWorker:
             for stats in (self._stats, self.totals):
                 stats.record_transfer(r.direction is Direction.STORE, r.num_bytes, r.seconds, r.ok)
             if r.direction is Direction.LOAD:
-                req_ids, gpu_blocks = r.tag
+                req_ids, gpu_blocks, sync = r.tag
+                if sync:
+                    # The request is running: report the job, and on failure the
+                    # blocks, which vLLM recomputes (this step's output is dropped).
+                    (self._loads_done if r.ok else self._loads_failed)[r.job_id] = 1
+                    if not r.ok:
+                        logger.error("synchronous load job %d failed (%s); %d blocks will be "
+                                     "recomputed", r.job_id, r.error, len(gpu_blocks))
+                        self._load_error_blocks.update(gpu_blocks)
+                    continue
                 # Reported finished even on failure, so the request leaves the
                 # waiting state; vLLM then recomputes what did not arrive.
                 self._finished_recving.update(req_ids)

@@ -73,7 +73,14 @@ class FakeModel:
                                         digest_size=16).digest())
         return have
 
-    def run(self, req: Request, block_ids: tuple[list[int], ...], start: int, end: int) -> None:
+    def run(self, req: Request, block_ids: tuple[list[int], ...], start: int, end: int,
+            wrong_reads: list[tuple[str, int]]) -> None:
+        """Check what attention reads, write what the step computes.
+
+        A wrong read goes into ``wrong_reads`` (request, block); the engine then
+        requires every one to be a block reported as a failed load in this step,
+        whose output vLLM drops and recomputes.
+        """
         digests = self._digests(req)
         for g, kv in self.kv.items():
             bs, window = self.block_sizes[g], self.windows[g]
@@ -81,10 +88,8 @@ class FakeModel:
             for pos in range(lo, start):  # what attention reads
                 block = block_ids[g][pos // bs]
                 got = kv[block, pos % bs]
-                want = token_kv(digests[pos])
-                assert torch.equal(got, want), (
-                    f"request {req.request_id}: group {g} token {pos} (block {block}) holds "
-                    f"the wrong KV")
+                if not torch.equal(got, token_kv(digests[pos])):
+                    wrong_reads.append((req.request_id, block))
                 self.checked_tokens += 1
             for pos in range(start, end):  # what this step writes
                 kv[block_ids[g][pos // bs], pos % bs] = token_kv(digests[pos])
@@ -175,17 +180,24 @@ class Engine:
         meta = so.kv_connector_metadata
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
-        req_ids, sampled = [], []
+        # As vLLM's model runner: synchronous loads before the forward pass.
+        if so.has_sync_kv_loads:
+            self.worker.start_load_kv(None)
+        req_ids, sampled, wrong_reads = [], [], []
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             end = req.num_computed_tokens  # already advanced by schedule()
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            self.model.run(req, block_ids, end - n, end)
+            self.model.run(req, block_ids, end - n, end, wrong_reads)
             req_ids.append(req_id)
             done_prefill = end >= req.num_tokens
             sampled.append([self.model.next_token(req)] if done_prefill else [])
+        if not so.has_sync_kv_loads:
+            self.worker.start_load_kv(None)
         results = self.worker.get_transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
+        stray = [(r, b) for r, b in wrong_reads if b not in errors]
+        assert not stray, f"wrong KV read, not reported as a failed load: {stray[:5]}"
         worker_meta = self.worker.build_connector_worker_meta()
         if worker_meta is not None and self.world_size_reports > 1:
             for _ in range(self.world_size_reports - 1):
