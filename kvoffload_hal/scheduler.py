@@ -66,7 +66,6 @@ class _Load:
     gpu_ids: list[int]
     cpu_ids: list[int]
     num_tokens: int
-    sync: bool  # run before the forward pass of the step that schedules the request
     job_id: int = NO_JOB
 
 
@@ -275,7 +274,7 @@ class OffloadScheduler:
         assert self.gpu_pool is not None, "bind_gpu_block_pool() was not called"
         # The request could be aborted mid-copy: keep its device blocks ours.
         self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
-        self._loads[req_id] = _Load(gpu_ids, cpu_ids, num_external_tokens, self.sync_loads)
+        self._loads[req_id] = _Load(gpu_ids, cpu_ids, num_external_tokens)
 
     # --------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
@@ -423,7 +422,7 @@ class OffloadScheduler:
             del self._loads[req_id]  # never sent to a worker: nothing in flight
             self._release_load(load)
             load = None
-        elif load is not None and load.sync:
+        elif load is not None and self.sync_loads:
             # Done before the forward pass that used it; its pins go when the
             # job's reports arrive. Nothing for vLLM to wait for.
             load = None

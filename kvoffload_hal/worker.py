@@ -108,9 +108,8 @@ class OffloadWorker:
         (and after it otherwise, where there is nothing to do here).
         """
         meta = self._metadata
-        if self.backend is None or meta is None or not meta.load_sync:
-            return
-        if meta.load_job_id == NO_JOB:
+        if (self.backend is None or meta is None or not meta.load_sync
+                or meta.load_job_id == NO_JOB):
             return
         self._submit_load(meta)
         # The forward pass reads these blocks next: wait for them (this also
