@@ -2,73 +2,120 @@
 
 Block ids are flat lists over all KV-cache groups: groups share one block id
 space per pool, so the worker needs no request or group knowledge.
+
+Scheduler -> worker, once per engine step: :class:`OffloadMetadata`, holding at
+most one job of each kind, each ``None`` when the step has none. Worker ->
+scheduler: :class:`OffloadWorkerMetadata`, the jobs this rank finished; vLLM
+sums it over ranks with :meth:`OffloadWorkerMetadata.aggregate`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
-NO_JOB = -1
+from kvoffload_hal.tiers.base import BlockKey, TierItem
 
 
-@dataclass
+@dataclass(frozen=True)
+class LoadSpec:
+    """CPU->device copies for the requests of ``req_ids`` (their blocks, flattened).
+
+    The spec travels with the copy job as its tag, so a completion observed
+    any number of steps later still names its requests and device blocks.
+    ``sync``: the load feeds this step's forward pass; the worker runs it in
+    ``start_load_kv`` and reports it in the worker metadata (the requests are
+    running, not waiting for it).
+    """
+
+    job_id: int
+    req_ids: tuple[str, ...]
+    cpu_blocks: list[int]
+    gpu_blocks: list[int]
+    sync: bool = False
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Device->CPU copies: ``gpu_blocks[k]`` into ``cpu_blocks[k]``."""
+
+    job_id: int
+    gpu_blocks: list[int]
+    cpu_blocks: list[int]
+
+
+@dataclass(frozen=True)
+class TierJobSpec:
+    """One secondary-tier job: ``(key, CPU block id)`` pairs to write or to read."""
+
+    job_id: int
+    items: list[TierItem]
+
+
+@dataclass(frozen=True)
+class TierJobs:
+    """A step's secondary-tier work: write-through spills, promotions, keys to delete."""
+
+    spill: TierJobSpec | None = None
+    promote: TierJobSpec | None = None
+    evictions: tuple[BlockKey, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.spill or self.promote or self.evictions)
+
+
+@dataclass(frozen=True)
 class OffloadMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per engine step: at most one load and one store job."""
 
-    load_job_id: int = NO_JOB
-    load_cpu_blocks: list[int] = field(default_factory=list)
-    load_gpu_blocks: list[int] = field(default_factory=list)
-    load_req_ids: list[str] = field(default_factory=list)
-    # The load feeds this step's forward pass: the worker runs it in start_load_kv,
-    # before the forward, and reports it in OffloadWorkerMetadata (the request is
-    # running, not waiting for it).
-    load_sync: bool = False
-    store_job_id: int = NO_JOB
-    store_gpu_blocks: list[int] = field(default_factory=list)
-    store_cpu_blocks: list[int] = field(default_factory=list)
+    load: LoadSpec | None = None
+    store: StoreSpec | None = None
+    tier: TierJobs = TierJobs()
     # A request was preempted: wait for every transfer before blocks are reused.
     need_flush: bool = False
-    # Secondary (disk) tier: (key, CPU block id) pairs, and keys to delete.
-    spill_job_id: int = NO_JOB
-    spill_items: list[tuple[str, int]] = field(default_factory=list)
-    promote_job_id: int = NO_JOB
-    promote_items: list[tuple[str, int]] = field(default_factory=list)
-    tier_evictions: list[str] = field(default_factory=list)
+
+
+class JobReport(NamedTuple):
+    """One job's outcome, summed over the ranks that reported it."""
+
+    ranks: int = 1
+    failed: bool = False
+    failed_keys: tuple[BlockKey, ...] = ()  # secondary tiers: the keys that failed
+
+    def merge(self, other: "JobReport") -> "JobReport":
+        keys = tuple(sorted(set(self.failed_keys) | set(other.failed_keys)))
+        return JobReport(self.ranks + other.ranks, self.failed or other.failed, keys)
 
 
 @dataclass
 class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: jobs finished on this rank (summed over ranks)."""
+    """Worker -> scheduler: jobs finished on this rank (summed over ranks by vLLM).
 
-    stores_done: dict[int, int] = field(default_factory=dict)
-    stores_failed: dict[int, int] = field(default_factory=dict)
-    loads_done: dict[int, int] = field(default_factory=dict)  # synchronous loads
-    loads_failed: dict[int, int] = field(default_factory=dict)
-    tier_reports: dict[int, int] = field(default_factory=dict)
-    tier_failed: dict[int, list[str]] = field(default_factory=dict)  # keys that failed
+    The worker accumulates into one instance over a step and hands it over in
+    ``build_connector_worker_meta``.
+    """
+
+    stores: dict[int, JobReport] = field(default_factory=dict)
+    loads: dict[int, JobReport] = field(default_factory=dict)  # synchronous loads only
+    tier: dict[int, JobReport] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads or self.tier)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerMetadata":
         assert isinstance(other, OffloadWorkerMetadata)
-        failed = {job: list(keys) for job, keys in self.tier_failed.items()}
-        for job, keys in other.tier_failed.items():
-            failed[job] = sorted(set(failed.get(job, [])) | set(keys))
-        return OffloadWorkerMetadata(
-            _sum(self.stores_done, other.stores_done),
-            _sum(self.stores_failed, other.stores_failed),
-            _sum(self.loads_done, other.loads_done),
-            _sum(self.loads_failed, other.loads_failed),
-            _sum(self.tier_reports, other.tier_reports),
-            failed,
-        )
+        return OffloadWorkerMetadata(_merge(self.stores, other.stores),
+                                     _merge(self.loads, other.loads),
+                                     _merge(self.tier, other.tier))
 
 
-def _sum(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+def _merge(a: dict[int, JobReport], b: dict[int, JobReport]) -> dict[int, JobReport]:
     out = dict(a)
-    for key, n in b.items():
-        out[key] = out.get(key, 0) + n
+    for job, report in b.items():
+        out[job] = out[job].merge(report) if job in out else report
     return out

@@ -31,12 +31,11 @@ COUNTERS: dict[str, str] = {
 }
 
 
-@dataclass
-class OffloadStats(KVConnectorStats):
-    data: dict[str, Any] = field(default_factory=dict)
+class _Recorder:
+    """The ``record_*`` vocabulary, over one primitive: ``_add(key, value)``."""
 
     def _add(self, key: str, value: float) -> None:
-        self.data[key] = self.data.get(key, 0) + value
+        raise NotImplementedError
 
     def record_store(self, num_blocks: int) -> None:
         self._add("blocks_stored", num_blocks)
@@ -58,6 +57,14 @@ class OffloadStats(KVConnectorStats):
         self._add("bytes_stored" if store else "bytes_loaded", num_bytes)
         self._add("store_seconds" if store else "load_seconds", seconds)
 
+
+@dataclass
+class OffloadStats(_Recorder, KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def _add(self, key: str, value: float) -> None:
+        self.data[key] = self.data.get(key, 0) + value
+
     def reset(self) -> None:
         self.data = {}
 
@@ -75,6 +82,29 @@ class OffloadStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class StatsLedger(_Recorder):
+    """Where one side of the connector records: each record lands in two views.
+
+    ``totals`` runs since start-up (tests, the demo, logs); the step view is
+    what vLLM collects every step through :meth:`take_step`.
+    """
+
+    def __init__(self) -> None:
+        self.totals = OffloadStats()
+        self._step = OffloadStats()
+
+    def _add(self, key: str, value: float) -> None:
+        self._step._add(key, value)
+        self.totals._add(key, value)
+
+    def take_step(self) -> OffloadStats | None:
+        """What was recorded since the last call; None when nothing was (most steps)."""
+        if self._step.is_empty():
+            return None
+        step, self._step = self._step, OffloadStats()
+        return step
 
 
 class OffloadPromMetrics(KVConnectorPromMetrics):

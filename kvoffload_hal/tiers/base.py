@@ -75,6 +75,24 @@ class SecondaryTier(ABC):
         pass
 
 
+class NullTier(SecondaryTier):
+    """No secondary tier: nothing is ever submitted to it, so it never has results."""
+
+    name = "none"
+    num_pending = 0
+
+    def submit_store(self, job_id: int, items: Sequence[TierItem]) -> None:
+        raise RuntimeError("no secondary tier is configured")
+
+    submit_load = submit_store
+
+    def poll(self) -> list[TierJobResult]:
+        return []
+
+    def evict(self, keys: Iterable[BlockKey]) -> None:
+        pass
+
+
 @dataclass
 class _Entry:
     ready: bool = False  # written on every rank

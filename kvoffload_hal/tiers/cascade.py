@@ -24,15 +24,49 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from kvoffload_hal.logger import init_logger
+from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
+from kvoffload_hal.tally import RankTally
 from kvoffload_hal.tiers.base import BlockKey, TierIndex
 
 if TYPE_CHECKING:
-    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+    from kvoffload_hal.cpu_tier import CpuTier, Hit
+    from kvoffload_hal.metrics import StatsLedger
+
+NO_TIER_JOBS = TierJobs()
+
+
+class NullCascade:
+    """No secondary tier: the scheduler's calls, each doing nothing.
+
+    The interface a secondary tier offers the scheduler, with
+    :class:`TierCascade` the real one.
+    """
+
+    def on_published(self, blocks: list["KVCacheBlock"], hashes: list[Any]) -> None:
+        """Blocks were just published in the CPU tier (write-through)."""
+
+    def lookup(self, request: "Request", hit: "Hit", first_block: int, end_block: int) -> bool:
+        """After a CPU hit ``hit``: True when the request must ask again later."""
+        return False
+
+    def request_finished(self, req_id: str) -> None:
+        """Forget the request; a promotion in flight completes without it."""
+
+    def take_jobs(self) -> TierJobs:
+        """This step's jobs for the workers."""
+        return NO_TIER_JOBS
+
+    def on_reports(self, reports: dict[int, JobReport]) -> None:
+        """Job reports from the workers, summed over ranks."""
+
+    def reset(self) -> None:
+        """Forget every entry; jobs in flight finish but are not published."""
+
+    def has_pending(self) -> bool:
+        return False
 
 
 @dataclass
@@ -42,27 +76,31 @@ class _TierJob:
     blocks: list["KVCacheBlock"]
     hashes: list[Any]
     req_id: str | None = None
-    reports: int = 0
     failed: set[BlockKey] = field(default_factory=set)
     abandoned: bool = False
 
 
-class TierCascade:
-    def __init__(self, index: TierIndex, cpu_pool: "BlockPool", block_size: int,
-                 world_size: int, publish) -> None:
+@dataclass
+class _TierStep:
+    """The jobs of one kind sent in one step: they share one id and one tally."""
+
+    tally: RankTally
+    jobs: list[_TierJob]
+
+
+class TierCascade(NullCascade):
+    def __init__(self, index: TierIndex, cpu: "CpuTier", world_size: int,
+                 stats: "StatsLedger") -> None:
         self.index = index
-        self.cpu_pool = cpu_pool
-        self.block_size = block_size
+        self.cpu = cpu
         self.world_size = world_size
-        self._publish = publish
+        self.stats = stats
         self._queued: list[_TierJob] = []
-        self._jobs: dict[int, list[_TierJob]] = {}  # one step's jobs share an id
+        self._steps: dict[int, _TierStep] = {}
         self._next_job = 0
         self._promoting: dict[str, _TierJob] = {}
         self._promoted: dict[str, list[KVCacheBlock]] = {}
         self._no_promotion: set[str] = set()
-        self.blocks_spilled = 0
-        self.blocks_promoted = 0
 
     # --------------------------------------------------------------- spill
     def on_published(self, blocks: list["KVCacheBlock"], hashes: list[Any]) -> None:
@@ -72,75 +110,76 @@ class TierCascade:
         if not chosen:
             return
         keys, blocks, hashes = map(list, zip(*chosen))
-        self.cpu_pool.touch(blocks)  # read by the tier until every rank wrote it
+        self.cpu.pin(blocks)  # read by the tier until every rank wrote it
         self._queued.append(_TierJob(False, keys, blocks, hashes))
 
     # ----------------------------------------------------------- promotion
-    def lookup(self, request: "Request", first_block: int, max_blocks: int) -> bool:
-        """Start or await a promotion of the blocks after ``first_block``.
+    def lookup(self, request: "Request", hit: "Hit", first_block: int, end_block: int) -> bool:
+        """Start or await a promotion of blocks ``[first_block, end_block)``.
 
-        Returns True when the request must ask again later.
+        Blocks promoted for this request were pinned until now; the CPU lookup
+        found (and the pin below keeps) the ones still wanted.
         """
         req_id = request.request_id
+        self.cpu.pin_hit(hit)
+        self._release_promoted(req_id)
+        self.cpu.unpin_hit(hit)
         if req_id in self._promoting:
             return True
         if req_id in self._no_promotion:
             return False
         hashes = [make_block_hash_with_group_id(h, 0)
-                  for h in request.block_hashes[first_block:max_blocks]]
+                  for h in request.block_hashes[first_block:end_block]]
         keys = [h.hex() for h in hashes]
-        n = min(self.index.ready_run(keys), self.cpu_pool.get_num_free_blocks())
+        n = min(self.index.ready_run(keys), self.cpu.num_free_blocks())
         if n <= 0:
             return False
         keys, hashes = keys[:n], hashes[:n]
         self.index.pin(keys)
-        job = _TierJob(True, keys, self.cpu_pool.get_new_blocks(n), hashes, req_id)
+        job = _TierJob(True, keys, self.cpu.allocate(n), hashes, req_id)
         self._queued.append(job)
         self._promoting[req_id] = job
         return True
 
-    def release_promoted(self, req_id: str) -> None:
+    def _release_promoted(self, req_id: str) -> None:
         """Drop the pins kept on promoted blocks once the request looked them up again."""
         blocks = self._promoted.pop(req_id, None)
         if blocks:
-            self.cpu_pool.free_blocks(blocks)
+            self.cpu.unpin(blocks)
 
     def request_finished(self, req_id: str) -> None:
-        self.release_promoted(req_id)
+        self._release_promoted(req_id)
         self._no_promotion.discard(req_id)
         job = self._promoting.pop(req_id, None)
         if job is not None:
             job.req_id = None  # completes normally, but nobody keeps the blocks
 
     # ---------------------------------------------------------- per step
-    def take_jobs(self) -> tuple[tuple[int, list], tuple[int, list], list[BlockKey]]:
-        """(spill job, promote job, keys to delete) for this step's metadata; -1 = none."""
-        out = []
-        for promote in (False, True):
-            jobs = [j for j in self._queued if j.promote == promote]
-            if not jobs:
-                out.append((-1, []))
-                continue
-            job_id = self._next_job
-            self._next_job += 1
-            self._jobs[job_id] = jobs
-            out.append((job_id, [(k, b.block_id) for j in jobs for k, b in zip(j.keys, j.blocks)]))
+    def take_jobs(self) -> TierJobs:
+        spill, promote = (self._take(promote) for promote in (False, True))
         self._queued.clear()
-        return out[0], out[1], self.index.take_evicted()
+        return TierJobs(spill, promote, tuple(self.index.take_evicted()))
 
-    def on_reports(self, reports: dict[int, int], failed: dict[int, list[BlockKey]]) -> None:
-        """``reports``: ranks done per job; ``failed``: keys failed on any rank."""
-        for job_id, n in reports.items():
-            jobs = self._jobs.get(job_id)
-            if jobs is None:
+    def _take(self, promote: bool) -> TierJobSpec | None:
+        jobs = [j for j in self._queued if j.promote == promote]
+        if not jobs:
+            return None
+        job_id = self._next_job
+        self._next_job += 1
+        self._steps[job_id] = _TierStep(RankTally(self.world_size), jobs)
+        return TierJobSpec(job_id, [(k, b.block_id) for j in jobs
+                                    for k, b in zip(j.keys, j.blocks)])
+
+    def on_reports(self, reports: dict[int, JobReport]) -> None:
+        for job_id, report in reports.items():
+            step = self._steps.get(job_id)
+            if step is None:
                 continue
-            bad = set(failed.get(job_id, ()))
-            for job in jobs:
-                job.failed.update(bad.intersection(job.keys))
-                job.reports += n
-            if jobs[0].reports >= self.world_size:
-                del self._jobs[job_id]
-                for job in jobs:
+            for job in step.jobs:
+                job.failed.update(set(report.failed_keys).intersection(job.keys))
+            if step.tally.report(report.ranks):
+                del self._steps[job_id]
+                for job in step.jobs:
                     (self._finish_promotion if job.promote else self._finish_spill)(job)
 
     def _finish_spill(self, job: _TierJob) -> None:
@@ -150,8 +189,8 @@ class TierCascade:
         else:
             self.index.commit(ok)
             self.index.drop(job.failed)
-            self.blocks_spilled += len(ok)
-        self.cpu_pool.free_blocks(job.blocks)
+            self.stats.record_disk(spilled=len(ok), promoted=0)
+        self.cpu.unpin(job.blocks)
 
     def _finish_promotion(self, job: _TierJob) -> None:
         self.index.unpin(job.keys)
@@ -159,23 +198,22 @@ class TierCascade:
         # Publish up to the first failed key: a prefix hit must be contiguous.
         n_ok = next((i for i, k in enumerate(job.keys) if k in job.failed), len(job.keys))
         if not job.abandoned:
-            for block, block_hash in zip(job.blocks[:n_ok], job.hashes[:n_ok]):
-                self._publish(self.cpu_pool, block, block_hash)
-            self.blocks_promoted += n_ok
+            self.cpu.publish(job.blocks[:n_ok], job.hashes[:n_ok])
+            self.stats.record_disk(spilled=0, promoted=n_ok)
         if job.req_id is not None:
             self._promoting.pop(job.req_id, None)
             if job.failed:
                 self._no_promotion.add(job.req_id)
             # Published blocks stay referenced until the request's next lookup.
             self._promoted[job.req_id] = job.blocks[:n_ok]
-            self.cpu_pool.free_blocks(job.blocks[n_ok:])
+            self.cpu.unpin(job.blocks[n_ok:])
         else:
-            self.cpu_pool.free_blocks(job.blocks)
+            self.cpu.unpin(job.blocks)
 
     # --------------------------------------------------------------- misc
     def reset(self) -> None:
-        for jobs in self._jobs.values():
-            for job in jobs:
+        for step in self._steps.values():
+            for job in step.jobs:
                 job.abandoned = True
         for job in self._queued:  # never sent: release now
             if job.promote:
@@ -184,9 +222,9 @@ class TierCascade:
                     self._promoting.pop(job.req_id, None)
             else:
                 self.index.drop(job.keys)
-            self.cpu_pool.free_blocks(job.blocks)
+            self.cpu.unpin(job.blocks)
         self._queued.clear()
         self.index.evict_all()
 
     def has_pending(self) -> bool:
-        return bool(self._queued or self._jobs)
+        return bool(self._queued or self._steps)

@@ -230,7 +230,7 @@ class Engine:
             f"not done after {max_steps} steps: requests "
             f"{ {r: q.status.name for r, q in self.scheduler.requests.items()} }, loads "
             f"{ {r: ld.job_id for r, ld in self.offload._loads.items()} }, stores "
-            f"{ {j: st.reports for j, st in self.offload._stores.items()} }, backend pending "
+            f"{ {j: st.tally.reports for j, st in self.offload._stores.items()} }, backend pending "
             f"{self.worker.worker.backend.num_pending}")
 
     def drain(self, max_steps: int = 200) -> None:
@@ -244,8 +244,7 @@ class Engine:
 
     def assert_idle(self) -> None:
         assert not self.offload.has_pending_transfers()
-        if self.worker.worker.tier is not None:
-            assert self.worker.worker.tier.num_pending == 0
+        assert self.worker.worker.tier.num_pending == 0
         assert self.offload.num_pinned_cpu_blocks() == 0
         assert self.worker.worker.backend.num_pending == 0
         gpu_pool = self.scheduler.kv_cache_manager.block_pool

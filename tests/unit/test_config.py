@@ -37,21 +37,6 @@ def test_load_mode_must_be_one_of_three(value):
                             "of auto, async, sync")
 
 
-def test_load_mode_sync_needs_one_kv_cache_group():
-    from types import SimpleNamespace
-
-    from kvoffload_hal.scheduler import _use_sync_loads
-
-    one, two = (SimpleNamespace(kv_cache_groups=[object()] * n) for n in (1, 2))
-    assert _use_sync_loads("sync", one) and not _use_sync_loads("async", one)
-    assert _use_sync_loads("auto", one)  # the tests run on vLLM's CPU platform
-    assert not _use_sync_loads("auto", two)
-    with pytest.raises(ValueError) as e:
-        _use_sync_loads("sync", two)
-    assert str(e.value) == ("kv_connector_extra_config['load_mode']='sync': expected a model "
-                            "with one KV cache group, this one has 2; use 'async' or 'auto'")
-
-
 def test_unknown_keys_give_one_warning_listing_valid_keys(caplog):
     with caplog.at_level(logging.WARNING):
         config = OffloadConfig.from_extra_config({"cpu_bytes": 5, "lazy": True, "lazy_offload": True})

@@ -83,7 +83,7 @@ def test_last_block_of_a_request_finishing_in_that_step_is_stored(make_engine):
     engine.drain()
     # The step that computed token 47 (completing block 3) also finished the request.
     assert req.num_computed_tokens == 48
-    hit_blocks, hit_tokens, _ = engine.offload.coordinator.find_longest_cache_hit(
+    hit_blocks, hit_tokens, _ = engine.offload.cpu.coordinator.find_longest_cache_hit(
         req.block_hashes, 10_000)
     assert hit_tokens == 48
     assert engine.offload.totals.data["blocks_stored"] == 3
@@ -156,13 +156,13 @@ def test_cpu_hit_is_pinned_between_lookup_and_allocation(make_engine):
     b = engine.add("b", doc + [1])
     engine.scheduler.waiting.remove(b)  # drive the two phases by hand
     hit, is_async = engine.offload.get_num_new_matched_tokens(b, 0)
-    assert (hit, is_async) == (64, not engine.offload.sync_loads)
+    assert (hit, is_async) == (64, not engine.offload.caps.sync_loads)
     # Another request now takes every free CPU block: LRU eviction must spare the hit.
-    pool = engine.offload.cpu_pool
+    pool = engine.offload.cpu.pool
     taken = pool.get_new_blocks(pool.get_num_free_blocks())
-    hits, _, _ = engine.offload.coordinator.find_longest_cache_hit(b.block_hashes, 64)
+    hits, _, _ = engine.offload.cpu.coordinator.find_longest_cache_hit(b.block_hashes, 64)
     assert [blk.block_id for blk in hits[0]] == [
-        blk.block_id for blk in engine.offload._pending_hits["b"][0][0]]
+        blk.block_id for blk in engine.offload._pending_hits["b"].blocks[0]]
     pool.free_blocks(taken)
     engine.offload.request_finished(b, ([],))
     assert engine.offload.num_pinned_cpu_blocks() == 0
@@ -179,7 +179,7 @@ def test_scheduler_accepting_fewer_tokens_takes_the_leading_blocks(make_engine):
     b = engine.add("b", doc + [1])
     engine.scheduler.waiting.remove(b)
     assert engine.offload.get_num_new_matched_tokens(b, 0)[0] == 64
-    pending_cpu = [blk.block_id for blk in engine.offload._pending_hits["b"][0][0]]
+    pending_cpu = [blk.block_id for blk in engine.offload._pending_hits["b"].blocks[0]]
     gpu_pool = engine.scheduler.kv_cache_manager.block_pool
     gpu_blocks = gpu_pool.get_new_blocks(5)
     engine.offload.update_state_after_alloc(b, KVCacheBlocks((gpu_blocks,)), 2 * BS)
@@ -250,7 +250,7 @@ def test_failed_load_is_recomputed_not_used(make_engine, load_mode):
 def test_failed_store_is_never_published(make_engine):
     engine = make_engine(backend="failing-stores")
     _two_passes(engine, _docs(6, 80))
-    assert len(engine.offload.cpu_pool.cached_block_hash_to_block) == 0
+    assert len(engine.offload.cpu.pool.cached_block_hash_to_block) == 0
     assert engine.offload.totals.data.get("cpu_hit_tokens", 0) == 0
     engine.assert_idle()
 
@@ -258,7 +258,7 @@ def test_failed_store_is_never_published(make_engine):
 def test_store_is_published_only_after_every_rank_reported(make_engine):
     from vllm.v1.outputs import KVConnectorOutput
 
-    from kvoffload_hal.metadata import OffloadWorkerMetadata
+    from kvoffload_hal.metadata import JobReport, OffloadWorkerMetadata
 
     engine = make_engine()
     engine.offload.world_size = 2  # this worker plays one rank of two
@@ -266,17 +266,17 @@ def test_store_is_published_only_after_every_rank_reported(make_engine):
     while "r" not in engine.finished:
         engine.step()
     for _ in range(200):  # let the copies finish and be reported by this rank
-        if engine.offload._stores and all(s.reports for s in engine.offload._stores.values()):
+        if engine.offload._stores and all(s.tally.reports for s in engine.offload._stores.values()):
             break
         time.sleep(0.005)
         engine.step()
-    jobs = [j for j, store in engine.offload._stores.items() if store.reports == 1]
+    jobs = [j for j, store in engine.offload._stores.items() if store.tally.reports == 1]
     assert jobs and jobs == list(engine.offload._stores)
-    assert len(engine.offload.cpu_pool.cached_block_hash_to_block) == 0
+    assert len(engine.offload.cpu.pool.cached_block_hash_to_block) == 0
     # The other rank reports: now the blocks are published and the pins dropped.
     engine.offload.update_connector_output(KVConnectorOutput(
-        kv_connector_worker_meta=OffloadWorkerMetadata(stores_done={j: 1 for j in jobs})))
-    _, hit_tokens, _ = engine.offload.coordinator.find_longest_cache_hit(req.block_hashes, 10_000)
+        kv_connector_worker_meta=OffloadWorkerMetadata(stores={j: JobReport() for j in jobs})))
+    _, hit_tokens, _ = engine.offload.cpu.coordinator.find_longest_cache_hit(req.block_hashes, 10_000)
     assert hit_tokens == 48
     engine.assert_idle()
 
@@ -287,7 +287,7 @@ def test_get_finished_twice_on_the_same_metadata_launches_once(make_engine):
     engine.add("r", _docs(1, 64)[0], max_tokens=3)
     engine.step()  # prefill
     meta = engine.scheduler.schedule().kv_connector_metadata  # stores the 4 blocks
-    assert meta.store_job_id >= 0
+    assert meta.store is not None
     engine.worker.bind_connector_metadata(meta)
     for _ in range(3):
         engine.worker.get_finished(set())
@@ -302,20 +302,20 @@ def test_reset_cache_forgets_prefixes_and_drops_stores_in_flight(make_engine):
         engine.add(f"a{i}", d)
     engine.run_until_done()
     engine.drain()
-    assert len(engine.offload.cpu_pool.cached_block_hash_to_block) > 0
+    assert len(engine.offload.cpu.pool.cached_block_hash_to_block) > 0
     engine.add("c", _docs(1, 64, seed=7)[0], max_tokens=2)
     for _ in range(3):
         engine.step()  # its stores are now in flight
     assert engine.connector.reset_cache() is True
     engine.run_until_done()
     engine.drain()
-    assert len(engine.offload.cpu_pool.cached_block_hash_to_block) == 0
+    assert len(engine.offload.cpu.pool.cached_block_hash_to_block) == 0
     engine.assert_idle()
 
 
 def test_sliding_window_group_next_to_full_attention(make_engine):
     engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=128)
-    assert len(engine.offload.group_block_sizes) == 2
+    assert len(engine.offload.cpu.group_block_sizes) == 2
     _two_passes(engine, _docs(6, 80))
     totals = engine.offload.totals.data
     assert totals["cpu_hit_tokens"] > 0
@@ -332,10 +332,10 @@ def test_abort_while_load_in_flight_defers_the_free_until_reported(make_engine):
     engine.run_until_done()
     engine.drain()
     engine.add("b", docs[0] + [1])
-    while not engine.offload._loads or engine.offload._loads["b"].job_id < 0:
+    while not engine.offload._loads or engine.offload._loads["b"].job_id is None:
         engine.step()
     engine.step()  # the load job is launched and sleeping in the copy thread
-    assert engine.offload._loads["b"].job_id >= 0
+    assert engine.offload._loads["b"].job_id is not None
     engine.abort(["b"])
     assert "b" in engine.scheduler.requests  # kept until the load is reported
     engine.drain()
@@ -394,7 +394,7 @@ def test_corrupted_disk_blocks_are_recomputed(make_engine, tmp_path):
 def test_small_disk_tier_evicts_lru_and_stays_consistent(make_engine, tmp_path):
     engine = make_engine(cpu_blocks=8, extra_config=_disk(tmp_path, 12))
     _sequential_passes(engine, _docs(6, 80))
-    assert len(engine.offload.disk.index) <= 12
+    assert len(engine.offload.cascade.index) <= 12
     files = sum(len(f) for _, _, f in os.walk(engine.worker.worker.tier.root))
     assert files <= 12 + 8  # evicted files are deleted (asynchronously)
     engine.assert_idle()

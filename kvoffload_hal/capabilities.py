@@ -1,0 +1,56 @@
+"""What this deployment can do, decided once and read by both connector roles.
+
+Three facts used to be re-derived wherever they mattered; they are resolved
+here from the KV cache config, the connector config and the selected copy
+backend (its class only: nothing is instantiated, no device is touched):
+
+* ``single_group``: the model has one KV cache group. vLLM maps block-level
+  load errors back to requests only then (block ids are per group), and the
+  disk tier and synchronous loads rely on that mapping.
+* ``synchronous_compute``: the backend's forward pass has finished when the
+  worker submits a step's copies (vLLM's CPU platform), as the HAL states.
+* ``sync_loads``: ``load_mode`` resolved; ``disk_tier``: the disk tier runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvoffload_hal.config import OffloadConfig
+from kvoffload_hal.hal.registry import get_backend_class
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    single_group: bool
+    synchronous_compute: bool
+    sync_loads: bool
+    disk_tier: bool
+
+    @property
+    def report_failed_blocks(self) -> bool:
+        """Failed loads are reported to vLLM per block (else per request)."""
+        return self.single_group
+
+
+def resolve_capabilities(kv_cache_config: "KVCacheConfig", config: OffloadConfig,
+                         backend: str | None = None) -> Capabilities:
+    """``backend``: a ``KVOFFLOAD_HAL_BACKEND`` value (default: the variable's)."""
+    num_groups = len(kv_cache_config.kv_cache_groups)
+    single_group = num_groups == 1
+    synchronous_compute = get_backend_class(backend).synchronous_compute
+    if config.load_mode == "sync" and not single_group:
+        raise ValueError(
+            f"kv_connector_extra_config['load_mode']='sync': expected a model with one KV "
+            f"cache group, this one has {num_groups}; use 'async' or 'auto'")
+    if config.load_mode == "auto":
+        # Where compute is synchronous the forward pass cannot overlap a copy anyway.
+        sync_loads = synchronous_compute and single_group
+    else:
+        sync_loads = config.load_mode == "sync"
+    return Capabilities(single_group, synchronous_compute, sync_loads,
+                        disk_tier=config.disk_enabled and single_group)

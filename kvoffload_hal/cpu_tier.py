@@ -1,0 +1,178 @@
+"""The CPU tier: a second vLLM ``BlockPool``, driven by a ``KVCacheCoordinator``.
+
+The coordinator is built from a CPU ``KVCacheConfig`` (the device one with
+fewer blocks), so prefix matching, LRU eviction, reference counts, the
+hash->block map, HMA group semantics and KV events all come from vLLM.
+:class:`CpuTier` adds only what offloading needs on top:
+
+* a lookup that answers the common miss with one dict probe;
+* pins (references) on blocks a hit or a copy uses, so LRU eviction cannot
+  take them while in use;
+* publishing a block under its hash once its bytes are in place, with a
+  ``BlockStored`` event of medium CPU; evictions are labelled CPU too.
+
+No device is touched here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.kv_cache_utils import (
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+    maybe_convert_block_hash,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+Hit = tuple[Sequence["KVCacheBlock"], ...]  # per KV cache group, as the coordinator gives it
+_NO_HIT: tuple[Hit, int] = ((), 0)
+
+
+def derive_cpu_kv_cache_config(gpu_config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
+    """The device config with ``num_blocks`` blocks (same groups, so same HMA semantics).
+
+    Only the groups and the block count drive the CPU coordinator; tensor sizes
+    are scaled for consistency but nothing is allocated from them.
+    """
+    tensors = [replace(t, size=t.size // gpu_config.num_blocks * num_blocks)
+               for t in gpu_config.kv_cache_tensors]
+    return replace(gpu_config, num_blocks=num_blocks, kv_cache_tensors=tensors)
+
+
+class CpuTier:
+    """Which KV blocks the CPU tier holds, and under which hashes."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: KVCacheConfig,
+                 num_blocks: int, block_size: int, hash_block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hash_block_size = hash_block_size
+        config = derive_cpu_kv_cache_config(kv_cache_config, num_blocks)
+        events = vllm_config.kv_events_config
+        self.emit_kv_events = bool(events and events.enable_kv_cache_events)
+        # Through the module, at use time: platforms may patch the factory.
+        self.coordinator = kv_cache_coordinator.get_kv_cache_coordinator(
+            kv_cache_config=config,
+            max_model_len=vllm_config.model_config.max_model_len,
+            max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+            use_eagle=False,
+            enable_caching=True,
+            enable_kv_cache_events=self.emit_kv_events,
+            dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
+            pcp_world_size=1,
+            scheduler_block_size=block_size,
+            hash_block_size=hash_block_size,
+            # Copies are whole blocks, so hits must end on a block boundary.
+            allow_partial_hash_hits=False,
+        )
+        self.pool = self.coordinator.block_pool
+        # Evictions from this pool are evictions from CPU memory: label its KV
+        # events so a KV-aware router does not take them for device ones.
+        self.pool.medium = MEDIUM_CPU
+        self.group_block_sizes: list[int] = list(self.coordinator.group_block_sizes)
+        self.cacheable_groups = [
+            g for g in config.prefix_cacheable_group_ids
+            if getattr(self.coordinator.single_type_managers[g],
+                       "has_positionally_stable_blocks", True)
+        ]
+        # One full-attention group hashed at its own block size: a miss on the
+        # first block asked for is a miss, and the lookup can stop at one dict
+        # probe (most waiting requests, most steps).
+        groups = config.kv_cache_groups
+        self._probe_first_block = (
+            len(groups) == 1 and type(groups[0].kv_cache_spec) is FullAttentionSpec
+            and block_size == hash_block_size)
+        self._hash_map = self.pool.cached_block_hash_to_block
+
+    # ------------------------------------------------------------- lookup
+    def find_hit(self, block_hashes: Sequence[Any], first: int,
+                 max_tokens: int) -> tuple[Hit, int]:
+        """The longest run of cached blocks from hash ``first`` on: (blocks, tokens)."""
+        if (self._probe_first_block and self._hash_map.get_one_block(
+                make_block_hash_with_group_id(block_hashes[first], 0)) is None):
+            return _NO_HIT
+        hit, num_tokens, _ = self.coordinator.find_longest_cache_hit(
+            block_hashes[first:], max_tokens)
+        return hit, num_tokens
+
+    def holds(self, block_hash: Any) -> bool:
+        """Whether a block is published under ``block_hash`` (hash with group id)."""
+        return self._hash_map.get_one_block(block_hash) is not None
+
+    # --------------------------------------------------------------- pins
+    def pin(self, blocks: Iterable["KVCacheBlock"]) -> None:
+        """Reference blocks: LRU eviction cannot take them until :meth:`unpin`."""
+        self.pool.touch([b for b in blocks if not b.is_null])
+
+    def unpin(self, blocks: Iterable["KVCacheBlock"]) -> None:
+        self.pool.free_blocks([b for b in blocks if not b.is_null])
+
+    def pin_hit(self, hit: Hit) -> None:
+        self.pin(b for group in hit for b in group)
+
+    def unpin_hit(self, hit: Hit) -> None:
+        self.unpin(b for group in hit for b in group)
+
+    def unpin_ids(self, block_ids: Iterable[int]) -> None:
+        self.pool.free_blocks([self.pool.blocks[b] for b in block_ids])
+
+    def num_pinned_blocks(self) -> int:
+        """Blocks referenced by a hit or a copy (0 when the tier is idle)."""
+        return sum(1 for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null)
+
+    # ------------------------------------------------------- blocks, hashes
+    def num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def allocate(self, num_blocks: int) -> list["KVCacheBlock"]:
+        """Fresh pinned blocks; LRU eviction of unpinned cached blocks happens here."""
+        return self.pool.get_new_blocks(num_blocks)
+
+    def blocks(self, block_ids: Iterable[int]) -> list["KVCacheBlock"]:
+        return [self.pool.blocks[b] for b in block_ids]
+
+    def publish(self, blocks: Sequence["KVCacheBlock"], hashes: Sequence[Any]) -> None:
+        """Make each block findable under its hash; its bytes are already in place."""
+        for block, block_hash in zip(blocks, hashes):
+            # vLLM has no public "insert this hash" call; this is the one place
+            # coupled to a private BlockPool method.
+            self.pool._insert_block_hash(block_hash, block, num_tokens=None)
+        if self.emit_kv_events:
+            self._queue_stored_events(hashes)
+
+    def drop(self, block_ids: Iterable[int]) -> None:
+        """Stop offering these blocks (their copy failed): they are evicted."""
+        self.pool.evict_blocks(set(block_ids))
+
+    def drop_all(self) -> None:
+        self.pool.evict_blocks(set(range(self.num_blocks)))
+
+    # ------------------------------------------------------------- events
+    def _queue_stored_events(self, hashes: Sequence[Any]) -> None:
+        """One ``BlockStored`` (medium CPU) per published block.
+
+        Blocks are published one by one, not as a chain of one request's
+        blocks, so parent hash and token ids are not known here; consumers key
+        on the block hash, as for blocks offloaded by vLLM's own CPU offload.
+        """
+        queue = self.pool.kv_event_queue
+        for key in hashes:
+            group = get_group_id(key)
+            queue.append(BlockStored(
+                block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                parent_block_hash=None, token_ids=[],
+                block_size=self.group_block_sizes[group], lora_id=None,
+                medium=MEDIUM_CPU, lora_name=None, group_idx=group, locality="LOCAL"))
+
+    def take_events(self) -> Iterable[Any]:
+        return self.pool.take_events()

@@ -1,0 +1,204 @@
+"""Which device blocks to copy to the CPU tier, and when.
+
+Two policies behind one interface (:class:`StorePolicy`):
+
+* **eager** (default): every full block of a running request is stored once
+  the step that computed it has finished, including the last full block of a
+  request that finishes in that same step;
+* **lazy**: only the device blocks next in line for eviction (the head of the
+  device pool's free queue) are stored, a window of about two steps' worth of
+  allocations.
+
+A policy only *chooses*: it offers device blocks to a :class:`BlockPicker`,
+which keeps those worth storing (hashed, not stored already, not in flight)
+up to the number of free CPU blocks. Allocation, pinning and job tracking are
+the scheduler's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, SlidingWindowSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+class BlockPicker:
+    """Device blocks chosen for one store job, at most ``budget`` of them."""
+
+    def __init__(self, budget: int, wanted: Callable[["KVCacheBlock"], bool]) -> None:
+        self.budget = budget
+        self._wanted = wanted
+        self.blocks: list[KVCacheBlock] = []
+        self._hashes: set[Any] = set()
+
+    @property
+    def full(self) -> bool:
+        return len(self.blocks) >= self.budget
+
+    def offer(self, block: "KVCacheBlock") -> None:
+        """Keep ``block`` if it is hashed, new to this job and ``wanted``."""
+        h = block.block_hash
+        if block.is_null or h is None or h in self._hashes or not self._wanted(block):
+            return
+        self.blocks.append(block)
+        self._hashes.add(h)
+
+
+class StorePolicy(ABC):
+    """Chooses device blocks to store; see the module docstring."""
+
+    gpu_pool: "BlockPool | None" = None
+
+    def bind(self, gpu_pool: "BlockPool") -> None:
+        self.gpu_pool = gpu_pool
+
+    @abstractmethod
+    def select(self, scheduler_output: "SchedulerOutput", picker: BlockPicker) -> None:
+        """Offer this step's candidates, before the step runs."""
+
+    def on_allocated(self, request: "Request", num_groups: int) -> None:
+        """``request`` got device blocks (every scheduling of it, new or resumed)."""
+
+    def on_preempted(self, req_id: str) -> None:
+        """``req_id`` lost its device blocks; it restarts with a fresh block table."""
+
+    def on_finished(self, request: "Request", block_ids: Sequence[list[int]],
+                    picker: BlockPicker) -> None:
+        """``request`` finished with these device blocks (per group); last chance to offer."""
+
+    def reset(self) -> None:
+        """The CPU tier was emptied: blocks offered before may be offered again."""
+
+
+@dataclass
+class _Cursor:
+    """A running request's device blocks and how many of each group were offered.
+
+    ``next_boundary`` is the confirmed-token count at which some group gets a
+    full block not yet offered; below it a step has nothing to look at.
+    """
+
+    request: "Request"
+    block_ids: list[list[int]]
+    num_scanned: list[int] = field(default_factory=list)
+    next_boundary: int = 0
+
+    def rewind(self, forget_blocks: bool) -> None:
+        if forget_blocks:
+            self.block_ids = [[] for _ in self.block_ids]
+        self.num_scanned = [0] * len(self.block_ids)
+        self.next_boundary = 0
+
+
+class EagerPolicy(StorePolicy):
+    """Store every full block once computed."""
+
+    def __init__(self, group_block_sizes: Sequence[int], cacheable_groups: Sequence[int]) -> None:
+        self.group_block_sizes = list(group_block_sizes)
+        self.cacheable_groups = list(cacheable_groups)
+        self._cursors: dict[str, _Cursor] = {}
+
+    def on_allocated(self, request: "Request", num_groups: int) -> None:
+        if request.request_id not in self._cursors:
+            self._cursors[request.request_id] = _Cursor(
+                request, [[] for _ in range(num_groups)], [0] * num_groups)
+
+    def on_preempted(self, req_id: str) -> None:
+        cursor = self._cursors.get(req_id)
+        if cursor is not None:
+            cursor.rewind(forget_blocks=True)
+
+    def select(self, scheduler_output: "SchedulerOutput", picker: BlockPicker) -> None:
+        # Runs for every scheduled request on every step: most have no newly
+        # completed block, and leave after two comparisons.
+        cursors = self._cursors
+        cached = scheduler_output.scheduled_cached_reqs
+        new_reqs = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
+        for req_id, new_block_ids in chain(new_reqs, zip(cached.req_ids, cached.new_block_ids)):
+            cursor = cursors.get(req_id)
+            if cursor is None:
+                continue
+            if new_block_ids:
+                for ids, new_ids in zip(cursor.block_ids, new_block_ids):
+                    if new_ids:
+                        ids.extend(new_ids)
+            request = cursor.request
+            # Built before the step runs: num_computed_tokens counts only KV
+            # written by earlier steps, which have finished.
+            confirmed = request.num_computed_tokens - request.num_output_placeholders
+            if confirmed >= cursor.next_boundary:
+                self._offer(cursor, cursor.block_ids, confirmed, picker)
+
+    def on_finished(self, request: "Request", block_ids: Sequence[list[int]],
+                    picker: BlockPicker) -> None:
+        cursor = self._cursors.pop(request.request_id, None)
+        if cursor is not None:
+            # The request's last full block may have been computed in this very
+            # step: offer it now, from the final block table, or it is lost.
+            self._offer(cursor, block_ids, request.num_computed_tokens, picker)
+
+    def reset(self) -> None:
+        for cursor in self._cursors.values():
+            cursor.rewind(forget_blocks=False)
+
+    def _offer(self, cursor: _Cursor, block_ids: Sequence[list[int]], confirmed_tokens: int,
+               picker: BlockPicker) -> None:
+        assert self.gpu_pool is not None, "bind() was not called"
+        blocks = self.gpu_pool.blocks
+        for g in self.cacheable_groups:
+            ids = block_ids[g]
+            ready = min(len(ids), confirmed_tokens // self.group_block_sizes[g])
+            i = cursor.num_scanned[g]
+            while i < ready and not picker.full:
+                picker.offer(blocks[ids[i]])
+                i += 1
+            cursor.num_scanned[g] = i
+        cursor.next_boundary = min(
+            ((cursor.num_scanned[g] + 1) * self.group_block_sizes[g]
+             for g in self.cacheable_groups), default=1 << 62)
+
+
+class LazyPolicy(StorePolicy):
+    """Store the device blocks next in line for eviction (the free queue's head)."""
+
+    def __init__(self, window_blocks: int) -> None:
+        self.window_blocks = window_blocks
+
+    def select(self, scheduler_output: "SchedulerOutput", picker: BlockPicker) -> None:
+        if self.gpu_pool is None:
+            return
+        free_queue = self.gpu_pool.free_block_queue.iter_blocks_after(None)
+        for n, block in enumerate(free_queue):
+            if n >= self.window_blocks or picker.full:
+                break
+            picker.offer(block)
+
+
+def lazy_window_blocks(kv_cache_config: KVCacheConfig, max_num_batched_tokens: int) -> int:
+    """Device blocks to keep offloaded ahead of eviction: two steps' worth of allocations.
+
+    Per group, one step allocates at most: two blocks for Mamba state, the
+    window plus one for sliding-window attention, and a batch's tokens for
+    full attention.
+    """
+    target = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            target += 2
+        elif isinstance(spec, SlidingWindowSpec):
+            target += cdiv(spec.sliding_window, spec.block_size) + 1
+        else:
+            target += cdiv(max_num_batched_tokens, spec.block_size)
+    return 2 * target

@@ -1,0 +1,51 @@
+"""Capabilities are resolved once, from the KV cache config, the config and the backend."""
+
+from types import SimpleNamespace
+
+import pytest
+
+import backend_doubles  # noqa: F401 (registers the test backends)
+from kvoffload_hal.capabilities import resolve_capabilities
+from kvoffload_hal.config import OffloadConfig
+
+
+def _groups(n):
+    return SimpleNamespace(kv_cache_groups=[object()] * n)
+
+
+def _caps(num_groups, backend="cpu", **extra):
+    return resolve_capabilities(_groups(num_groups), OffloadConfig.from_extra_config(extra),
+                                backend=backend)
+
+
+def test_load_mode_sync_needs_one_kv_cache_group():
+    assert _caps(1, load_mode="sync").sync_loads
+    assert not _caps(1, load_mode="async").sync_loads
+    with pytest.raises(ValueError) as e:
+        _caps(2, load_mode="sync")
+    assert str(e.value) == ("kv_connector_extra_config['load_mode']='sync': expected a model "
+                            "with one KV cache group, this one has 2; use 'async' or 'auto'")
+
+
+def test_auto_loads_follow_the_backends_synchronous_compute():
+    # The CPU backend's forward pass has finished when copies start; slow-cpu
+    # plays a device whose compute overlaps the copies.
+    assert _caps(1, "cpu").synchronous_compute and _caps(1, "cpu").sync_loads
+    assert not _caps(1, "slow-cpu").synchronous_compute
+    assert not _caps(1, "slow-cpu").sync_loads
+    assert not _caps(2, "cpu").sync_loads  # a failed sync load maps to blocks of one group
+
+
+def test_disk_tier_and_per_block_failures_need_one_group(tmp_path):
+    disk = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20}
+    one, two = _caps(1, **disk), _caps(2, **disk)
+    assert one.disk_tier and one.report_failed_blocks
+    assert not two.disk_tier and not two.report_failed_blocks
+    assert not _caps(1).disk_tier  # no disk_path
+
+
+def test_a_missing_backend_fails_with_its_name():
+    from kvoffload_hal.hal import BackendSelectionError
+
+    with pytest.raises(BackendSelectionError, match="'nonexistent' is not a known backend"):
+        _caps(1, "nonexistent")
