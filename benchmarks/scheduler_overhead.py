@@ -190,11 +190,11 @@ def worker_output(connector: str, scheduler_output):
 
     meta = scheduler_output.kv_connector_metadata
     if connector == "HALOffloadConnector":
-        from kvoffload_hal.metadata import NO_JOB, OffloadWorkerMetadata
+        from kvoffload_hal.metadata import JobReport, OffloadWorkerMetadata
 
-        recving = set(meta.load_req_ids)
-        worker_meta = (OffloadWorkerMetadata(stores_done={meta.store_job_id: 1})
-                       if meta.store_job_id != NO_JOB else None)
+        recving = set(meta.load.req_ids) if meta.load is not None else set()
+        worker_meta = (OffloadWorkerMetadata(stores={meta.store.job_id: JobReport()})
+                       if meta.store is not None else None)
     else:
         from vllm.v1.simple_kv_offload.metadata import (
             INVALID_JOB_ID,

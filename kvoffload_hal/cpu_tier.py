@@ -32,10 +32,20 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 Hit = tuple[Sequence["KVCacheBlock"], ...]  # per KV cache group, as the coordinator gives it
 _NO_HIT: tuple[Hit, int] = ((), 0)
+
+
+def pin_ids(pool: "BlockPool", block_ids: Iterable[int]) -> None:
+    """Reference blocks of ``pool`` by id, so it neither reuses nor evicts them."""
+    pool.touch([pool.blocks[b] for b in block_ids])
+
+
+def unpin_ids(pool: "BlockPool", block_ids: Iterable[int]) -> None:
+    pool.free_blocks([pool.blocks[b] for b in block_ids])
 
 
 def derive_cpu_kv_cache_config(gpu_config: KVCacheConfig, num_blocks: int) -> KVCacheConfig:
@@ -124,7 +134,7 @@ class CpuTier:
         self.unpin(b for group in hit for b in group)
 
     def unpin_ids(self, block_ids: Iterable[int]) -> None:
-        self.pool.free_blocks([self.pool.blocks[b] for b in block_ids])
+        unpin_ids(self.pool, block_ids)
 
     def num_pinned_blocks(self) -> int:
         """Blocks referenced by a hit or a copy (0 when the tier is idle)."""

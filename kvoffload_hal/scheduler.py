@@ -32,18 +32,17 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, num_cpu_blocks, num_disk_blocks
-from kvoffload_hal.cpu_tier import CpuTier, Hit
+from kvoffload_hal.cpu_tier import CpuTier, Hit, pin_ids, unpin_ids
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import (
     JobReport,
     LoadSpec,
     OffloadMetadata,
     OffloadWorkerMetadata,
-    StoreSpec,
 )
 from kvoffload_hal.metrics import OffloadStats, StatsLedger
+from kvoffload_hal.store_jobs import StoreJobs
 from kvoffload_hal.store_policy import (
-    BlockPicker,
     EagerPolicy,
     LazyPolicy,
     StorePolicy,
@@ -74,17 +73,6 @@ class _Load:
 
 
 @dataclass
-class _Store:
-    """A device->CPU copy job; ``hashes`` are the device blocks' hashes at submission."""
-
-    gpu_ids: list[int]
-    cpu_ids: list[int]
-    hashes: list[Any]
-    tally: RankTally
-    abandoned: bool = False  # reset_cache() ran while in flight: do not publish
-
-
-@dataclass
 class _PendingHit:
     """A CPU hit found by a lookup, pinned until the request's allocation."""
 
@@ -111,16 +99,12 @@ class OffloadScheduler:
         self.stats = StatsLedger()
         self.policy = _make_policy(config, kv_cache_config, vllm_config, self.cpu)
         self.cascade = self._make_cascade(kv_cache_config)
+        self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size)
         self.gpu_pool: BlockPool | None = None
         self._pending_hits: dict[str, _PendingHit] = {}
         self._loads: dict[str, _Load] = {}
         self._sync_load_jobs: dict[int, tuple[list[str], RankTally]] = {}
-        self._stores: dict[int, _Store] = {}
-        self._queued_stores: list[tuple[list[int], list[int], list[Any]]] = []
-        self._in_flight_gpu: set[int] = set()  # device blocks with a store queued or running
-        self._in_flight_hashes: set[Any] = set()
         self._next_load_job = 0
-        self._next_store_job = 0
         logger.info(
             "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores, "
             "%s loads", self.cpu.num_blocks, config.cpu_bytes_per_rank(self.world_size) / 2**30,
@@ -147,6 +131,7 @@ class OffloadScheduler:
     def bind_gpu_block_pool(self, gpu_pool: "BlockPool") -> None:
         self.gpu_pool = gpu_pool
         self.policy.bind(gpu_pool)
+        self.stores.bind(gpu_pool)
 
     # --------------------------------------------------------------- loads
     def get_num_new_matched_tokens(self, request: "Request",
@@ -198,7 +183,7 @@ class OffloadScheduler:
         self.cpu.pin(taken)
         self.cpu.unpin_hit(pending.blocks)
         # The request could be aborted mid-copy: keep its device blocks ours.
-        self._pin_gpu(gpu_ids)
+        pin_ids(self._gpu_pool(), gpu_ids)
         self._loads[req_id] = _Load(gpu_ids, [b.block_id for b in taken], num_external_tokens)
 
     def _release_pending_hit(self, req_id: str) -> None:
@@ -210,10 +195,10 @@ class OffloadScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         for req_id in scheduler_output.preempted_req_ids or ():
             self.policy.on_preempted(req_id)
-        picker = self._picker()
+        picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)
-        self._queue_store(picker)
-        return OffloadMetadata(load=self._take_load_job(), store=self._take_store_job(),
+        self.stores.queue(picker)
+        return OffloadMetadata(load=self._take_load_job(), store=self.stores.take_job(),
                                tier=self.cascade.take_jobs(),
                                need_flush=bool(scheduler_output.preempted_req_ids))
 
@@ -234,20 +219,6 @@ class OffloadScheduler:
             gpu_blocks += load.gpu_ids
         return LoadSpec(job, tuple(req_ids), cpu_blocks, gpu_blocks, self.caps.sync_loads)
 
-    def _take_store_job(self) -> StoreSpec | None:
-        if not self._queued_stores:
-            return None
-        job = self._next_store_job
-        self._next_store_job += 1
-        store = _Store([], [], [], RankTally(self.world_size))
-        for gpu_ids, cpu_ids, hashes in self._queued_stores:
-            store.gpu_ids += gpu_ids
-            store.cpu_ids += cpu_ids
-            store.hashes += hashes
-        self._queued_stores.clear()
-        self._stores[job] = store
-        return StoreSpec(job, store.gpu_ids, store.cpu_ids)
-
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         invalid = output.invalid_block_ids or set()
         failed = output.failed_recving or set()
@@ -259,7 +230,7 @@ class OffloadScheduler:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata):
             for job, report in meta.stores.items():
-                self._on_store_report(job, report)
+                self.stores.on_report(job, report)
             for job, report in meta.loads.items():
                 self._on_sync_load_report(job, report)
             self.cascade.on_reports(meta.tier)
@@ -275,7 +246,7 @@ class OffloadScheduler:
 
     def _release_load(self, load: _Load) -> None:
         self.cpu.unpin_ids(load.cpu_ids)
-        self._unpin_gpu(load.gpu_ids)
+        unpin_ids(self._gpu_pool(), load.gpu_ids)
 
     def _on_sync_load_report(self, job: int, report: JobReport) -> None:
         entry = self._sync_load_jobs.get(job)
@@ -289,24 +260,6 @@ class OffloadScheduler:
             # A failure was reported to vLLM as load errors by the workers.
             self._finish_load(self._loads.pop(req_id), not tally.failed)
 
-    def _on_store_report(self, job: int, report: JobReport) -> None:
-        store = self._stores.get(job)
-        if store is None or not store.tally.report(report.ranks, report.failed):
-            return  # every TP/PP rank must have copied its shard
-        del self._stores[job]
-        self._in_flight_gpu.difference_update(store.gpu_ids)
-        self._in_flight_hashes.difference_update(store.hashes)
-        cpu_blocks = self.cpu.blocks(store.cpu_ids)
-        if store.tally.failed:
-            logger.warning("store job %d failed on a rank; %d blocks not offloaded",
-                           job, len(cpu_blocks))
-        elif not store.abandoned:
-            self.cpu.publish(cpu_blocks, store.hashes)
-            self.stats.record_store(len(cpu_blocks))
-            self.cascade.on_published(cpu_blocks, store.hashes)
-        self.cpu.unpin(cpu_blocks)
-        self._unpin_gpu(store.gpu_ids)
-
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: "Request",
                          block_ids: Sequence[list[int]]) -> tuple[bool, None]:
@@ -314,9 +267,9 @@ class OffloadScheduler:
         req_id = request.request_id
         self._release_pending_hit(req_id)
         self.cascade.request_finished(req_id)
-        picker = self._picker()
+        picker = self.stores.picker()
         self.policy.on_finished(request, block_ids, picker)
-        self._queue_store(picker)
+        self.stores.queue(picker)
         load = self._loads.get(req_id)
         if load is None:
             return False, None
@@ -331,41 +284,14 @@ class OffloadScheduler:
         # by the store job, so they never delay the request.
         return not self.caps.sync_loads, None
 
-    # -------------------------------------------------------------- stores
-    def _picker(self) -> BlockPicker:
-        return BlockPicker(self.cpu.num_free_blocks(), self._storable)
-
-    def _storable(self, block: "KVCacheBlock") -> bool:
-        h = block.block_hash
-        return (block.block_id not in self._in_flight_gpu
-                and h not in self._in_flight_hashes and not self.cpu.holds(h))
-
-    def _queue_store(self, picker: BlockPicker) -> None:
-        if not picker.blocks:
-            return
-        gpu_ids = [b.block_id for b in picker.blocks]
-        hashes = [b.block_hash for b in picker.blocks]
-        cpu_blocks = self.cpu.allocate(len(gpu_ids))  # LRU eviction happens here
-        self._pin_gpu(gpu_ids)
-        self._in_flight_gpu.update(gpu_ids)
-        self._in_flight_hashes.update(hashes)
-        self._queued_stores.append((gpu_ids, [b.block_id for b in cpu_blocks], hashes))
-
     # --------------------------------------------------------------- misc
     def reset_cache(self) -> bool:
         """Forget every CPU prefix; copies in flight finish but are not published."""
         for req_id in list(self._pending_hits):
             self._release_pending_hit(req_id)
-        for store in self._stores.values():
-            store.abandoned = True
         self.cascade.reset()
         self.cpu.drop_all()
-        for gpu_ids, cpu_ids, hashes in self._queued_stores:
-            self.cpu.unpin_ids(cpu_ids)
-            self._unpin_gpu(gpu_ids)
-            self._in_flight_gpu.difference_update(gpu_ids)
-            self._in_flight_hashes.difference_update(hashes)
-        self._queued_stores.clear()
+        self.stores.reset()
         self.policy.reset()
         return True
 
@@ -376,20 +302,15 @@ class OffloadScheduler:
         return self.stats.take_step()
 
     def has_pending_transfers(self) -> bool:
-        return bool(self._loads or self._stores or self._queued_stores
-                    or self.cascade.has_pending())
+        return bool(self._loads or self.stores.has_pending() or self.cascade.has_pending())
 
     def num_pinned_cpu_blocks(self) -> int:
         """CPU blocks referenced by a hit or a copy (0 when the tier is idle)."""
         return self.cpu.num_pinned_blocks()
 
-    def _pin_gpu(self, gpu_ids: list[int]) -> None:
+    def _gpu_pool(self) -> "BlockPool":
         assert self.gpu_pool is not None, "bind_gpu_block_pool() was not called"
-        self.gpu_pool.touch([self.gpu_pool.blocks[b] for b in gpu_ids])
-
-    def _unpin_gpu(self, gpu_ids: list[int]) -> None:
-        assert self.gpu_pool is not None, "bind_gpu_block_pool() was not called"
-        self.gpu_pool.free_blocks([self.gpu_pool.blocks[b] for b in gpu_ids])
+        return self.gpu_pool
 
 
 def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,

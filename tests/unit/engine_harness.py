@@ -104,7 +104,7 @@ class Engine:
     def __init__(self, model_dir: str, *, num_gpu_blocks: int, cpu_blocks: int,
                  block_size: int = 16, lazy: bool = False, sliding_window: int | None = None,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 32,
-                 world_size_reports: int = 1, extra_config: dict | None = None,
+                 ranks: int = 1, extra_config: dict | None = None,
                  kv_events: bool = False) -> None:
         self.block_size = block_size
         groups = [FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
@@ -121,7 +121,7 @@ class Engine:
                                             layer_stride=page * num_gpu_blocks, block_stride=page)],
             kv_cache_groups=[KVCacheGroupSpec([f"layer.{g}"], spec) for g, spec in enumerate(groups)],
         )
-        cpu_bytes = cpu_blocks * page
+        cpu_bytes = cpu_blocks * page * ranks  # split evenly across ranks
         args = EngineArgs(
             kv_events_config=(KVEventsConfig(enable_kv_cache_events=True, publisher="null")
                               if kv_events else None),
@@ -137,6 +137,8 @@ class Engine:
         )
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks  # set by profiling in vLLM
+        # With ranks > 1 the one worker here plays rank 0; a test reports for the others.
+        self.vllm_config.parallel_config.world_size = ranks
         self.scheduler = Scheduler(self.vllm_config, self.kv_cache_config,
                                    StructuredOutputManager(self.vllm_config),
                                    block_size=block_size)
@@ -154,7 +156,6 @@ class Engine:
                                [None] + ([sliding_window] if sliding_window else []))
         init_none_hash(get_hash_fn_by_name("sha256"))
         self._hasher = get_request_block_hasher(block_size, get_hash_fn_by_name("sha256"))
-        self.world_size_reports = world_size_reports
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
         self.steps = 0
@@ -199,9 +200,6 @@ class Engine:
         stray = [(r, b) for r, b in wrong_reads if b not in errors]
         assert not stray, f"wrong KV read, not reported as a failed load: {stray[:5]}"
         worker_meta = self.worker.build_connector_worker_meta()
-        if worker_meta is not None and self.world_size_reports > 1:
-            for _ in range(self.world_size_reports - 1):
-                worker_meta = worker_meta.aggregate(worker_meta)
         self.worker.clear_connector_metadata()
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -230,7 +228,7 @@ class Engine:
             f"not done after {max_steps} steps: requests "
             f"{ {r: q.status.name for r, q in self.scheduler.requests.items()} }, loads "
             f"{ {r: ld.job_id for r, ld in self.offload._loads.items()} }, stores "
-            f"{ {j: st.tally.reports for j, st in self.offload._stores.items()} }, backend pending "
+            f"{ {j: st.tally.reports for j, st in self.offload.stores._sent.items()} }, backend pending "
             f"{self.worker.worker.backend.num_pending}")
 
     def drain(self, max_steps: int = 200) -> None:

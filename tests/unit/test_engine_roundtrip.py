@@ -118,7 +118,7 @@ def test_copies_complete_in_their_step_only_where_compute_is_synchronous(make_en
         engine.add(f"b{i}", d + [5, 6])
     while engine.scheduler.has_requests():
         engine.step()
-        steps_with_jobs_in_flight += bool(engine.offload._loads or engine.offload._stores)
+        steps_with_jobs_in_flight += bool(engine.offload._loads or engine.offload.stores._sent)
     assert engine.offload.totals.data["cpu_hit_tokens"] == 6 * 80
     if backend == "cpu":
         assert steps_with_jobs_in_flight == 0
@@ -260,18 +260,17 @@ def test_store_is_published_only_after_every_rank_reported(make_engine):
 
     from kvoffload_hal.metadata import JobReport, OffloadWorkerMetadata
 
-    engine = make_engine()
-    engine.offload.world_size = 2  # this worker plays one rank of two
+    engine = make_engine(ranks=2)  # this worker plays one rank of two
     req = engine.add("r", _docs(1, 48)[0], max_tokens=2)
     while "r" not in engine.finished:
         engine.step()
     for _ in range(200):  # let the copies finish and be reported by this rank
-        if engine.offload._stores and all(s.tally.reports for s in engine.offload._stores.values()):
+        if engine.offload.stores._sent and all(s.tally.reports for s in engine.offload.stores._sent.values()):
             break
         time.sleep(0.005)
         engine.step()
-    jobs = [j for j, store in engine.offload._stores.items() if store.tally.reports == 1]
-    assert jobs and jobs == list(engine.offload._stores)
+    jobs = [j for j, store in engine.offload.stores._sent.items() if store.tally.reports == 1]
+    assert jobs and jobs == list(engine.offload.stores._sent)
     assert len(engine.offload.cpu.pool.cached_block_hash_to_block) == 0
     # The other rank reports: now the blocks are published and the pins dropped.
     engine.offload.update_connector_output(KVConnectorOutput(

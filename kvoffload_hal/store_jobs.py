@@ -1,0 +1,142 @@
+"""Device->CPU store jobs, from the blocks a policy picked to their publication.
+
+A store goes through three states:
+
+1. **queued**: CPU blocks are allocated (LRU eviction happens here) and the
+   device blocks pinned, so neither can be reused while the copy runs;
+2. **sent**: the step's queued stores become one job in the metadata;
+3. **reported**: once every rank reported the job, its blocks are published in
+   the CPU tier (and handed to a secondary tier), or, if a rank failed or
+   ``reset_cache`` ran meanwhile, dropped unpublished. Both pins go.
+
+A device block, or a hash, with a store queued or sent is not picked again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_hal.cpu_tier import pin_ids, unpin_ids
+from kvoffload_hal.logger import init_logger
+from kvoffload_hal.metadata import JobReport, StoreSpec
+from kvoffload_hal.store_policy import BlockPicker
+from kvoffload_hal.tally import RankTally
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvoffload_hal.cpu_tier import CpuTier
+    from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.tiers.cascade import NullCascade
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Store:
+    """Copies of ``gpu_ids[k]`` into ``cpu_ids[k]``; ``hashes`` as the device blocks had them."""
+
+    gpu_ids: list[int]
+    cpu_ids: list[int]
+    hashes: list[Any]
+    tally: RankTally | None = None  # set when sent
+    abandoned: bool = False  # reset_cache() ran while in flight: do not publish
+
+
+class StoreJobs:
+    def __init__(self, cpu: "CpuTier", cascade: "NullCascade", stats: "StatsLedger",
+                 world_size: int) -> None:
+        self.cpu = cpu
+        self.cascade = cascade
+        self.stats = stats
+        self.world_size = world_size
+        self.gpu_pool: BlockPool | None = None
+        self._queued: list[_Store] = []
+        self._sent: dict[int, _Store] = {}
+        self._next_job = 0
+        self._in_flight_gpu: set[int] = set()
+        self._in_flight_hashes: set[Any] = set()
+
+    def bind(self, gpu_pool: "BlockPool") -> None:
+        self.gpu_pool = gpu_pool
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        """Jobs sent to the workers and not yet reported by every rank."""
+        return len(self._sent)
+
+    def has_pending(self) -> bool:
+        return bool(self._queued or self._sent)
+
+    # ------------------------------------------------------------ picking
+    def picker(self) -> BlockPicker:
+        """A picker for one batch, bounded by the CPU tier's free blocks."""
+        return BlockPicker(self.cpu.num_free_blocks(), self._storable)
+
+    def _storable(self, block: "KVCacheBlock") -> bool:
+        h = block.block_hash
+        return (block.block_id not in self._in_flight_gpu
+                and h not in self._in_flight_hashes and not self.cpu.holds(h))
+
+    def queue(self, picker: BlockPicker) -> None:
+        if not picker.blocks:
+            return
+        gpu_ids = [b.block_id for b in picker.blocks]
+        hashes = [b.block_hash for b in picker.blocks]
+        cpu_blocks = self.cpu.allocate(len(gpu_ids))  # LRU eviction happens here
+        pin_ids(self._gpu_pool(), gpu_ids)
+        self._in_flight_gpu.update(gpu_ids)
+        self._in_flight_hashes.update(hashes)
+        self._queued.append(_Store(gpu_ids, [b.block_id for b in cpu_blocks], hashes))
+
+    # ------------------------------------------------------- send, report
+    def take_job(self) -> StoreSpec | None:
+        """This step's queued stores as one job, or None."""
+        if not self._queued:
+            return None
+        job = self._next_job
+        self._next_job += 1
+        store = _Store([], [], [], RankTally(self.world_size))
+        for queued in self._queued:
+            store.gpu_ids += queued.gpu_ids
+            store.cpu_ids += queued.cpu_ids
+            store.hashes += queued.hashes
+        self._queued.clear()
+        self._sent[job] = store
+        return StoreSpec(job, store.gpu_ids, store.cpu_ids)
+
+    def on_report(self, job: int, report: JobReport) -> None:
+        store = self._sent.get(job)
+        if store is None or not store.tally.report(report.ranks, report.failed):
+            return  # every TP/PP rank must have copied its shard
+        del self._sent[job]
+        cpu_blocks = self.cpu.blocks(store.cpu_ids)
+        if store.tally.failed:
+            logger.warning("store job %d failed on a rank; %d blocks not offloaded",
+                           job, len(cpu_blocks))
+        elif not store.abandoned:
+            self.cpu.publish(cpu_blocks, store.hashes)
+            self.stats.record_store(len(cpu_blocks))
+            self.cascade.on_published(cpu_blocks, store.hashes)
+        self._release(store)
+
+    # --------------------------------------------------------------- misc
+    def reset(self) -> None:
+        """Stores in flight finish but are not published; queued ones are dropped."""
+        for store in self._sent.values():
+            store.abandoned = True
+        for store in self._queued:
+            self._release(store)
+        self._queued.clear()
+
+    def _release(self, store: _Store) -> None:
+        self.cpu.unpin_ids(store.cpu_ids)
+        unpin_ids(self._gpu_pool(), store.gpu_ids)
+        self._in_flight_gpu.difference_update(store.gpu_ids)
+        self._in_flight_hashes.difference_update(store.hashes)
+
+    def _gpu_pool(self) -> "BlockPool":
+        assert self.gpu_pool is not None, "bind() was not called"
+        return self.gpu_pool
