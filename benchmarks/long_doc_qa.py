@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvoffload_hal.testing import (
+from kvoffload_hal.inprocess import (
     EngineSpec,
     close_llm,
     scheduler_connector,
@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per engine; the fastest measured pass is kept")
     parser.add_argument("--seed", type=int, default=0, help="order of the measured pass")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=(*CONFIGS, *EXTRA_CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS),
+                        choices=(*CONFIGS, *EXTRA_CONFIGS))
     parser.add_argument("--disk", action="store_true",
                         help=f"also run {DISK}: a disk tier holding every document")
     parser.add_argument("--same-batch-limit", action="store_true",

@@ -37,7 +37,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvoffload_hal.testing import set_inprocess_env
+from kvoffload_hal.inprocess import set_inprocess_env
 from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"

@@ -37,7 +37,7 @@ class Capabilities:
         return self.single_group
 
 
-def resolve_capabilities(kv_cache_config: "KVCacheConfig", config: OffloadConfig,
+def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
                          backend: str | None = None) -> Capabilities:
     """``backend``: a ``KVOFFLOAD_HAL_BACKEND`` value (default: the variable's)."""
     num_groups = len(kv_cache_config.kv_cache_groups)

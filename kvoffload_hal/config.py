@@ -75,7 +75,7 @@ class OffloadConfig:
         return self.disk_path is not None
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> "OffloadConfig":
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> OffloadConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(VALID_KEYS))
         if unknown:

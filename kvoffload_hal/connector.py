@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 
 class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("HALOffloadConnector needs the KVCacheConfig (vLLM >= 0.32)")
@@ -56,28 +56,28 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = OffloadWorker(vllm_config, kv_cache_config, config)
 
     # ---------------------------------------------------------- scheduler
-    def bind_gpu_block_pool(self, gpu_block_pool: "BlockPool") -> None:
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self.scheduler.bind_gpu_block_pool(gpu_block_pool)
 
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
@@ -126,7 +126,7 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.shutdown()
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv()  # synchronous loads; asynchronous ones go in get_finished
 
     # Copies are whole-step batches: the per-layer hooks have nothing to do.

@@ -39,12 +39,12 @@ Hit = tuple[Sequence["KVCacheBlock"], ...]  # per KV cache group, as the coordin
 _NO_HIT: tuple[Hit, int] = ((), 0)
 
 
-def pin_ids(pool: "BlockPool", block_ids: Iterable[int]) -> None:
+def pin_ids(pool: BlockPool, block_ids: Iterable[int]) -> None:
     """Reference blocks of ``pool`` by id, so it neither reuses nor evicts them."""
     pool.touch([pool.blocks[b] for b in block_ids])
 
 
-def unpin_ids(pool: "BlockPool", block_ids: Iterable[int]) -> None:
+def unpin_ids(pool: BlockPool, block_ids: Iterable[int]) -> None:
     pool.free_blocks([pool.blocks[b] for b in block_ids])
 
 
@@ -62,7 +62,7 @@ def derive_cpu_kv_cache_config(gpu_config: KVCacheConfig, num_blocks: int) -> KV
 class CpuTier:
     """Which KV blocks the CPU tier holds, and under which hashes."""
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: KVCacheConfig,
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  num_blocks: int, block_size: int, hash_block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -120,11 +120,11 @@ class CpuTier:
         return self._hash_map.get_one_block(block_hash) is not None
 
     # --------------------------------------------------------------- pins
-    def pin(self, blocks: Iterable["KVCacheBlock"]) -> None:
+    def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Reference blocks: LRU eviction cannot take them until :meth:`unpin`."""
         self.pool.touch([b for b in blocks if not b.is_null])
 
-    def unpin(self, blocks: Iterable["KVCacheBlock"]) -> None:
+    def unpin(self, blocks: Iterable[KVCacheBlock]) -> None:
         self.pool.free_blocks([b for b in blocks if not b.is_null])
 
     def pin_hit(self, hit: Hit) -> None:
@@ -144,14 +144,14 @@ class CpuTier:
     def num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
 
-    def allocate(self, num_blocks: int) -> list["KVCacheBlock"]:
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
         """Fresh pinned blocks; LRU eviction of unpinned cached blocks happens here."""
         return self.pool.get_new_blocks(num_blocks)
 
-    def blocks(self, block_ids: Iterable[int]) -> list["KVCacheBlock"]:
+    def blocks(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
         return [self.pool.blocks[b] for b in block_ids]
 
-    def publish(self, blocks: Sequence["KVCacheBlock"], hashes: Sequence[Any]) -> None:
+    def publish(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[Any]) -> None:
         """Make each block findable under its hash; its bytes are already in place."""
         for block, block_hash in zip(blocks, hashes):
             # vLLM has no public "insert this hash" call; this is the one place

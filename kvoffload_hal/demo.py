@@ -17,7 +17,7 @@ import os
 import random
 import time
 
-from kvoffload_hal.testing import (
+from kvoffload_hal.inprocess import (
     EngineSpec,
     close_llm,
     make_llm,
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--document-words", type=int, default=600)
     parser.add_argument("--device-documents", type=int, default=3,
                         help="documents the device KV cache can hold")
-    parser.add_argument("--model-dir", default=os.path.expanduser("~/.cache/kvoffload_hal/demo-model"))
+    parser.add_argument("--model-dir",
+                        default=os.path.expanduser("~/.cache/kvoffload_hal/demo-model"))
     args = parser.parse_args(argv)
     set_inprocess_env()
 
@@ -90,8 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     off = run(EngineSpec(**common, offload=True, cpu_bytes_to_use=cpu_bytes), docs, order)
 
     print()
-    print("| run                         | 2nd pass wall s | cached tokens | CPU-tier hit tokens | blocks loaded | blocks stored |")
-    print("|-----------------------------|----------------:|--------------:|--------------------:|--------------:|--------------:|")
+    print("| run                         | 2nd pass wall s | cached tokens "
+          "| CPU-tier hit tokens | blocks loaded | blocks stored |")
+    print("|-----------------------------|----------------:|--------------:"
+          "|--------------------:|--------------:|--------------:|")
     for name, r in (("prefix caching only", base), ("prefix caching + offloading", off)):
         print(f"| {name:<27} | {r['seconds']:15.2f} | {r['cached']:13d} | {r['hit_tokens']:19d} "
               f"| {r['loaded']:13d} | {r['stored']:13d} |")

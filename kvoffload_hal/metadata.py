@@ -87,7 +87,7 @@ class JobReport(NamedTuple):
     failed: bool = False
     failed_keys: tuple[BlockKey, ...] = ()  # secondary tiers: the keys that failed
 
-    def merge(self, other: "JobReport") -> "JobReport":
+    def merge(self, other: JobReport) -> JobReport:
         keys = tuple(sorted(set(self.failed_keys) | set(other.failed_keys)))
         return JobReport(self.ranks + other.ranks, self.failed or other.failed, keys)
 
@@ -107,7 +107,7 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     def __bool__(self) -> bool:
         return bool(self.stores or self.loads or self.tier)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "OffloadWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerMetadata:
         assert isinstance(other, OffloadWorkerMetadata)
         return OffloadWorkerMetadata(_merge(self.stores, other.stores),
                                      _merge(self.loads, other.loads),

@@ -68,7 +68,7 @@ class OffloadStats(_Recorder, KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
-    def aggregate(self, other: KVConnectorStats) -> "OffloadStats":
+    def aggregate(self, other: KVConnectorStats) -> OffloadStats:
         for key, value in other.data.items():
             self._add(key, value)
         return self

@@ -83,7 +83,7 @@ class _PendingHit:
 class OffloadScheduler:
     """Decides loads and stores between the device pool and the CPU pool."""
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: KVCacheConfig,
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  config: OffloadConfig) -> None:
         self.config = config
         self.caps = resolve_capabilities(kv_cache_config, config)
@@ -128,13 +128,13 @@ class OffloadScheduler:
         """Everything recorded since start-up (tests, the demo, logs)."""
         return self.stats.totals
 
-    def bind_gpu_block_pool(self, gpu_pool: "BlockPool") -> None:
+    def bind_gpu_block_pool(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
         self.policy.bind(gpu_pool)
         self.stores.bind(gpu_pool)
 
     # --------------------------------------------------------------- loads
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         self._release_pending_hit(req_id)
@@ -159,7 +159,7 @@ class OffloadScheduler:
         self._pending_hits[req_id] = _PendingHit(hit, num_computed_tokens)
         return hit_tokens, not self.caps.sync_loads
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         req_id = request.request_id
         gpu_ids_by_group = blocks.get_block_ids()
@@ -261,7 +261,7 @@ class OffloadScheduler:
             self._finish_load(self._loads.pop(req_id), not tally.failed)
 
     # ------------------------------------------------------------ finishing
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: Sequence[list[int]]) -> tuple[bool, None]:
         """Returns True while a load for the request is in flight (blocks freed later)."""
         req_id = request.request_id
@@ -304,17 +304,22 @@ class OffloadScheduler:
     def has_pending_transfers(self) -> bool:
         return bool(self._loads or self.stores.has_pending() or self.cascade.has_pending())
 
+    def num_jobs_in_flight(self) -> int:
+        """Load and store jobs sent to the workers and not yet reported by every rank."""
+        loads = {ld.job_id for ld in self._loads.values() if ld.job_id is not None}
+        return len(loads) + self.stores.num_jobs_in_flight
+
     def num_pinned_cpu_blocks(self) -> int:
         """CPU blocks referenced by a hit or a copy (0 when the tier is idle)."""
         return self.cpu.num_pinned_blocks()
 
-    def _gpu_pool(self) -> "BlockPool":
+    def _gpu_pool(self) -> BlockPool:
         assert self.gpu_pool is not None, "bind_gpu_block_pool() was not called"
         return self.gpu_pool
 
 
 def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,
-                 vllm_config: "VllmConfig", cpu: CpuTier) -> StorePolicy:
+                 vllm_config: VllmConfig, cpu: CpuTier) -> StorePolicy:
     if config.lazy_offload:
         return LazyPolicy(lazy_window_blocks(
             kv_cache_config, vllm_config.scheduler_config.max_num_batched_tokens))

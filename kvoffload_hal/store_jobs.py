@@ -46,7 +46,7 @@ class _Store:
 
 
 class StoreJobs:
-    def __init__(self, cpu: "CpuTier", cascade: "NullCascade", stats: "StatsLedger",
+    def __init__(self, cpu: CpuTier, cascade: NullCascade, stats: StatsLedger,
                  world_size: int) -> None:
         self.cpu = cpu
         self.cascade = cascade
@@ -59,7 +59,7 @@ class StoreJobs:
         self._in_flight_gpu: set[int] = set()
         self._in_flight_hashes: set[Any] = set()
 
-    def bind(self, gpu_pool: "BlockPool") -> None:
+    def bind(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
 
     @property
@@ -75,7 +75,7 @@ class StoreJobs:
         """A picker for one batch, bounded by the CPU tier's free blocks."""
         return BlockPicker(self.cpu.num_free_blocks(), self._storable)
 
-    def _storable(self, block: "KVCacheBlock") -> bool:
+    def _storable(self, block: KVCacheBlock) -> bool:
         h = block.block_hash
         return (block.block_id not in self._in_flight_gpu
                 and h not in self._in_flight_hashes and not self.cpu.holds(h))
@@ -137,6 +137,6 @@ class StoreJobs:
         self._in_flight_gpu.difference_update(store.gpu_ids)
         self._in_flight_hashes.difference_update(store.hashes)
 
-    def _gpu_pool(self) -> "BlockPool":
+    def _gpu_pool(self) -> BlockPool:
         assert self.gpu_pool is not None, "bind() was not called"
         return self.gpu_pool

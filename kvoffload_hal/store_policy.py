@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class BlockPicker:
     """Device blocks chosen for one store job, at most ``budget`` of them."""
 
-    def __init__(self, budget: int, wanted: Callable[["KVCacheBlock"], bool]) -> None:
+    def __init__(self, budget: int, wanted: Callable[[KVCacheBlock], bool]) -> None:
         self.budget = budget
         self._wanted = wanted
         self.blocks: list[KVCacheBlock] = []
@@ -46,7 +46,7 @@ class BlockPicker:
     def full(self) -> bool:
         return len(self.blocks) >= self.budget
 
-    def offer(self, block: "KVCacheBlock") -> None:
+    def offer(self, block: KVCacheBlock) -> None:
         """Keep ``block`` if it is hashed, new to this job and ``wanted``."""
         h = block.block_hash
         if block.is_null or h is None or h in self._hashes or not self._wanted(block):
@@ -58,22 +58,22 @@ class BlockPicker:
 class StorePolicy(ABC):
     """Chooses device blocks to store; see the module docstring."""
 
-    gpu_pool: "BlockPool | None" = None
+    gpu_pool: BlockPool | None = None
 
-    def bind(self, gpu_pool: "BlockPool") -> None:
+    def bind(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
 
     @abstractmethod
-    def select(self, scheduler_output: "SchedulerOutput", picker: BlockPicker) -> None:
+    def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
         """Offer this step's candidates, before the step runs."""
 
-    def on_allocated(self, request: "Request", num_groups: int) -> None:
+    def on_allocated(self, request: Request, num_groups: int) -> None:
         """``request`` got device blocks (every scheduling of it, new or resumed)."""
 
     def on_preempted(self, req_id: str) -> None:
         """``req_id`` lost its device blocks; it restarts with a fresh block table."""
 
-    def on_finished(self, request: "Request", block_ids: Sequence[list[int]],
+    def on_finished(self, request: Request, block_ids: Sequence[list[int]],
                     picker: BlockPicker) -> None:
         """``request`` finished with these device blocks (per group); last chance to offer."""
 
@@ -89,7 +89,7 @@ class _Cursor:
     full block not yet offered; below it a step has nothing to look at.
     """
 
-    request: "Request"
+    request: Request
     block_ids: list[list[int]]
     num_scanned: list[int] = field(default_factory=list)
     next_boundary: int = 0
@@ -109,7 +109,7 @@ class EagerPolicy(StorePolicy):
         self.cacheable_groups = list(cacheable_groups)
         self._cursors: dict[str, _Cursor] = {}
 
-    def on_allocated(self, request: "Request", num_groups: int) -> None:
+    def on_allocated(self, request: Request, num_groups: int) -> None:
         if request.request_id not in self._cursors:
             self._cursors[request.request_id] = _Cursor(
                 request, [[] for _ in range(num_groups)], [0] * num_groups)
@@ -119,7 +119,7 @@ class EagerPolicy(StorePolicy):
         if cursor is not None:
             cursor.rewind(forget_blocks=True)
 
-    def select(self, scheduler_output: "SchedulerOutput", picker: BlockPicker) -> None:
+    def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
         # Runs for every scheduled request on every step: most have no newly
         # completed block, and leave after two comparisons.
         cursors = self._cursors
@@ -140,7 +140,7 @@ class EagerPolicy(StorePolicy):
             if confirmed >= cursor.next_boundary:
                 self._offer(cursor, cursor.block_ids, confirmed, picker)
 
-    def on_finished(self, request: "Request", block_ids: Sequence[list[int]],
+    def on_finished(self, request: Request, block_ids: Sequence[list[int]],
                     picker: BlockPicker) -> None:
         cursor = self._cursors.pop(request.request_id, None)
         if cursor is not None:
@@ -175,7 +175,7 @@ class LazyPolicy(StorePolicy):
     def __init__(self, window_blocks: int) -> None:
         self.window_blocks = window_blocks
 
-    def select(self, scheduler_output: "SchedulerOutput", picker: BlockPicker) -> None:
+    def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
         if self.gpu_pool is None:
             return
         free_queue = self.gpu_pool.free_block_queue.iter_blocks_after(None)

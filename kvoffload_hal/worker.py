@@ -56,7 +56,7 @@ class _Unlaunched:
 
 
 class OffloadWorker:
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  config: OffloadConfig) -> None:
         world_size = vllm_config.parallel_config.world_size
         self.caps = resolve_capabilities(kv_cache_config, config)

@@ -45,10 +45,10 @@ class NullCascade:
     :class:`TierCascade` the real one.
     """
 
-    def on_published(self, blocks: list["KVCacheBlock"], hashes: list[Any]) -> None:
+    def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         """Blocks were just published in the CPU tier (write-through)."""
 
-    def lookup(self, request: "Request", hit: "Hit", first_block: int, end_block: int) -> bool:
+    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
         """After a CPU hit ``hit``: True when the request must ask again later."""
         return False
 
@@ -73,7 +73,7 @@ class NullCascade:
 class _TierJob:
     promote: bool
     keys: list[BlockKey]
-    blocks: list["KVCacheBlock"]
+    blocks: list[KVCacheBlock]
     hashes: list[Any]
     req_id: str | None = None
     failed: set[BlockKey] = field(default_factory=set)
@@ -89,8 +89,8 @@ class _TierStep:
 
 
 class TierCascade(NullCascade):
-    def __init__(self, index: TierIndex, cpu: "CpuTier", world_size: int,
-                 stats: "StatsLedger") -> None:
+    def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
+                 stats: StatsLedger) -> None:
         self.index = index
         self.cpu = cpu
         self.world_size = world_size
@@ -103,7 +103,7 @@ class TierCascade(NullCascade):
         self._no_promotion: set[str] = set()
 
     # --------------------------------------------------------------- spill
-    def on_published(self, blocks: list["KVCacheBlock"], hashes: list[Any]) -> None:
+    def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         keys = [h.hex() for h in hashes]
         accepted = set(self.index.reserve(keys))
         chosen = [(k, b, h) for k, b, h in zip(keys, blocks, hashes) if k in accepted]
@@ -114,7 +114,7 @@ class TierCascade(NullCascade):
         self._queued.append(_TierJob(False, keys, blocks, hashes))
 
     # ----------------------------------------------------------- promotion
-    def lookup(self, request: "Request", hit: "Hit", first_block: int, end_block: int) -> bool:
+    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
         """Start or await a promotion of blocks ``[first_block, end_block)``.
 
         Blocks promoted for this request were pinned until now; the CPU lookup

@@ -112,7 +112,8 @@ class DiskTier(SecondaryTier):
         if magic != MAGIC or version != FORMAT_VERSION:
             return self._corrupt(key, "unknown header")
         if length != self.payload_bytes or len(payload) != length:
-            return self._corrupt(key, f"{len(payload)} payload bytes, expected {self.payload_bytes}")
+            return self._corrupt(
+                key, f"{len(payload)} payload bytes, expected {self.payload_bytes}")
         if zlib.crc32(payload) != crc:
             return self._corrupt(key, "checksum mismatch")
         offset = 0
@@ -148,7 +149,8 @@ class DiskTier(SecondaryTier):
                 data = bytearray(os.fstat(f.fileno()).st_size)
                 return data[:f.readinto(data)]
         size = os.stat(path).st_size
-        with mmap.mmap(-1, max(DIRECT_IO_ALIGN, -(-size // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN)) as buf:
+        aligned = max(DIRECT_IO_ALIGN, -(-size // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN)
+        with mmap.mmap(-1, aligned) as buf:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
             try:
                 n = os.readv(fd, [buf])

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import backend_doubles  # noqa: F401 (registers the test backends)
 from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig
+from support import backend_doubles  # noqa: F401 (registers the test backends)
 
 
 def _groups(n):

@@ -1,4 +1,5 @@
-"""kv_connector_extra_config validation: one clear error per bad value, one warning for unknown keys."""
+"""kv_connector_extra_config validation: one clear error per bad value, one warning for
+unknown keys."""
 
 import logging
 
@@ -39,7 +40,8 @@ def test_load_mode_must_be_one_of_three(value):
 
 def test_unknown_keys_give_one_warning_listing_valid_keys(caplog):
     with caplog.at_level(logging.WARNING):
-        config = OffloadConfig.from_extra_config({"cpu_bytes": 5, "lazy": True, "lazy_offload": True})
+        config = OffloadConfig.from_extra_config(
+            {"cpu_bytes": 5, "lazy": True, "lazy_offload": True})
     assert config.lazy_offload is True
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -48,9 +50,10 @@ def test_unknown_keys_give_one_warning_listing_valid_keys(caplog):
 
 
 def test_capacity_below_one_block_is_an_error():
-    from engine_harness import HEAD_DIM, HEADS  # noqa: F401 (vLLM env set-up)
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from support.engine_harness import HEAD_DIM, HEADS  # noqa: F401 (vLLM env set-up)
 
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     cfg = KVCacheConfig(num_blocks=10, kv_cache_tensors=[],

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine_harness import Engine  # noqa: F401 (sets the in-process vLLM environment)
+from support.engine_harness import Engine  # noqa: F401 (sets the in-process vLLM environment)
 
 
 def test_plugin_registers_the_name_once_and_is_idempotent():
@@ -24,16 +24,14 @@ def test_entry_point_is_declared():
 
 
 def test_prefix_caching_is_required(tiny_model_dir):
-    from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
 
     from kvoffload_hal.connector import HALOffloadConnector
+    from kvoffload_hal.inprocess import offload_transfer_config
 
     config = EngineArgs(model=tiny_model_dir, enable_prefix_caching=False, enforce_eager=True,
-                        kv_transfer_config=KVTransferConfig(
-                            kv_connector="HALOffloadConnector", kv_role="kv_both",
-                            kv_connector_module_path="kvoffload_hal.connector"),
+                        kv_transfer_config=offload_transfer_config(),
                         ).create_engine_config()
     with pytest.raises(ValueError, match="needs prefix caching"):
         HALOffloadConnector(config, KVConnectorRole.SCHEDULER, object())

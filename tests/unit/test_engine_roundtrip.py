@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-import backend_doubles
-from engine_harness import Engine
+from support import backend_doubles
+from support.engine_harness import Engine
 
 BS = 16
 
@@ -118,7 +118,7 @@ def test_copies_complete_in_their_step_only_where_compute_is_synchronous(make_en
         engine.add(f"b{i}", d + [5, 6])
     while engine.scheduler.has_requests():
         engine.step()
-        steps_with_jobs_in_flight += bool(engine.offload._loads or engine.offload.stores._sent)
+        steps_with_jobs_in_flight += bool(engine.offload.num_jobs_in_flight())
     assert engine.offload.totals.data["cpu_hit_tokens"] == 6 * 80
     if backend == "cpu":
         assert steps_with_jobs_in_flight == 0
@@ -155,42 +155,63 @@ def test_cpu_hit_is_pinned_between_lookup_and_allocation(make_engine):
     engine.drain()
     b = engine.add("b", doc + [1])
     engine.scheduler.waiting.remove(b)  # drive the two phases by hand
+    cpu = engine.offload.cpu
+    before = [blk.block_id for blk in cpu.find_hit(b.block_hashes, 0, 64)[0][0]]
     hit, is_async = engine.offload.get_num_new_matched_tokens(b, 0)
     assert (hit, is_async) == (64, not engine.offload.caps.sync_loads)
     # Another request now takes every free CPU block: LRU eviction must spare the hit.
-    pool = engine.offload.cpu.pool
-    taken = pool.get_new_blocks(pool.get_num_free_blocks())
-    hits, _, _ = engine.offload.cpu.coordinator.find_longest_cache_hit(b.block_hashes, 64)
-    assert [blk.block_id for blk in hits[0]] == [
-        blk.block_id for blk in engine.offload._pending_hits["b"].blocks[0]]
-    pool.free_blocks(taken)
+    taken = cpu.allocate(cpu.num_free_blocks())
+    assert [blk.block_id for blk in cpu.find_hit(b.block_hashes, 0, 64)[0][0]] == before
+    cpu.unpin(taken)
     engine.offload.request_finished(b, ([],))
     assert engine.offload.num_pinned_cpu_blocks() == 0
 
 
-def test_scheduler_accepting_fewer_tokens_takes_the_leading_blocks(make_engine):
+def _hit_then_allocate(engine, num_tokens):
+    """Request "b" finds a 64-token CPU hit and is given ``num_tokens`` of it."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-    engine = make_engine()
     doc = _docs(1, 64)[0]
     engine.add("a", doc)
     engine.run_until_done()
     engine.drain()
     b = engine.add("b", doc + [1])
-    engine.scheduler.waiting.remove(b)
+    engine.scheduler.waiting.remove(b)  # drive the phases by hand
+    hit = [blk.block_id for blk in engine.offload.cpu.find_hit(b.block_hashes, 0, 64)[0][0]]
     assert engine.offload.get_num_new_matched_tokens(b, 0)[0] == 64
-    pending_cpu = [blk.block_id for blk in engine.offload._pending_hits["b"].blocks[0]]
     gpu_pool = engine.scheduler.kv_cache_manager.block_pool
     gpu_blocks = gpu_pool.get_new_blocks(5)
-    engine.offload.update_state_after_alloc(b, KVCacheBlocks((gpu_blocks,)), 2 * BS)
-    load = engine.offload._loads["b"]
-    assert load.cpu_ids == pending_cpu[:2]
-    assert load.gpu_ids == [blk.block_id for blk in gpu_blocks[:2]]
+    engine.offload.update_state_after_alloc(b, KVCacheBlocks((gpu_blocks,)), num_tokens)
+    return b, hit, gpu_blocks
+
+
+def test_scheduler_accepting_fewer_tokens_takes_the_leading_blocks(make_engine):
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = make_engine(extra_config={"load_mode": "async"})
+    b, hit, gpu_blocks = _hit_then_allocate(engine, 2 * BS)
     # Only the two taken CPU blocks stay pinned; the rest of the hit was released.
     assert engine.offload.num_pinned_cpu_blocks() == 2
-    engine.offload.request_finished(b, ([],))  # never sent to a worker: released at once
-    gpu_pool.free_blocks(gpu_blocks)
+    load = engine.offload.build_connector_meta(SchedulerOutput.make_empty()).load
+    assert load.req_ids == ("b",)
+    assert load.cpu_blocks == hit[:2]
+    assert load.gpu_blocks == [blk.block_id for blk in gpu_blocks[:2]]
+    # Sent: vLLM must keep the request until the load is reported.
+    assert engine.offload.request_finished(b, ([],)) == (True, None)
+    engine.offload.update_connector_output(KVConnectorOutput(finished_recving={"b"}))
+    engine.scheduler.kv_cache_manager.block_pool.free_blocks(gpu_blocks)
     assert engine.offload.num_pinned_cpu_blocks() == 0
+
+
+def test_a_load_never_sent_is_released_when_its_request_finishes(make_engine):
+    engine = make_engine()
+    b, _, gpu_blocks = _hit_then_allocate(engine, 4 * BS)
+    assert engine.offload.num_pinned_cpu_blocks() == 4
+    assert engine.offload.request_finished(b, ([],)) == (False, None)
+    engine.scheduler.kv_cache_manager.block_pool.free_blocks(gpu_blocks)
+    assert engine.offload.num_pinned_cpu_blocks() == 0
+    assert not engine.offload.has_pending_transfers()
 
 
 def test_preemptions_and_aborts_with_transfers_in_flight(make_engine):
@@ -264,19 +285,22 @@ def test_store_is_published_only_after_every_rank_reported(make_engine):
     req = engine.add("r", _docs(1, 48)[0], max_tokens=2)
     while "r" not in engine.finished:
         engine.step()
+    def sent():
+        return {m.store.job_id for m in engine.sent if m.store is not None}
+
     for _ in range(200):  # let the copies finish and be reported by this rank
-        if engine.offload.stores._sent and all(s.tally.reports for s in engine.offload.stores._sent.values()):
+        if sent() and sent() <= {j for r in engine.reported for j in r.stores}:
             break
         time.sleep(0.005)
         engine.step()
-    jobs = [j for j, store in engine.offload.stores._sent.items() if store.tally.reports == 1]
-    assert jobs and jobs == list(engine.offload.stores._sent)
-    assert len(engine.offload.cpu.pool.cached_block_hash_to_block) == 0
+    jobs = sorted(sent())
+    assert jobs and engine.offload.num_jobs_in_flight() == len(jobs)
+    cpu = engine.offload.cpu
+    assert cpu.find_hit(req.block_hashes, 0, 10_000)[1] == 0  # nothing published yet
     # The other rank reports: now the blocks are published and the pins dropped.
     engine.offload.update_connector_output(KVConnectorOutput(
         kv_connector_worker_meta=OffloadWorkerMetadata(stores={j: JobReport() for j in jobs})))
-    _, hit_tokens, _ = engine.offload.cpu.coordinator.find_longest_cache_hit(req.block_hashes, 10_000)
-    assert hit_tokens == 48
+    assert cpu.find_hit(req.block_hashes, 0, 10_000)[1] == 48
     engine.assert_idle()
 
 
@@ -331,10 +355,10 @@ def test_abort_while_load_in_flight_defers_the_free_until_reported(make_engine):
     engine.run_until_done()
     engine.drain()
     engine.add("b", docs[0] + [1])
-    while not engine.offload._loads or engine.offload._loads["b"].job_id is None:
+    while not any(m.load is not None and "b" in m.load.req_ids for m in engine.sent):
         engine.step()
     engine.step()  # the load job is launched and sleeping in the copy thread
-    assert engine.offload._loads["b"].job_id is not None
+    assert engine.offload.num_jobs_in_flight() > 0
     engine.abort(["b"])
     assert "b" in engine.scheduler.requests  # kept until the load is reported
     engine.drain()

@@ -9,14 +9,14 @@ the tokens and logprobs must match the baseline exactly.
 
 import pytest
 
-from kvoffload_hal.testing import (
+from kvoffload_hal.inprocess import (
     EngineSpec,
     close_llm,
-    drain_transfers,
     make_llm,
     scheduler_connector,
 )
 from kvoffload_hal.tiny_model import synthetic_text
+from support.engines import drain_transfers
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +41,8 @@ def _run(spec):
         for prompt in _workload():
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             completion = out.outputs[0]
-            logprobs = [lp[tok].logprob for lp, tok in zip(completion.logprobs, completion.token_ids)]
+            logprobs = [lp[tok].logprob
+                        for lp, tok in zip(completion.logprobs, completion.token_ids)]
             outputs.append((out.num_cached_tokens, list(completion.token_ids), logprobs))
         assert drain_transfers(llm)
         conn = scheduler_connector(llm)
@@ -57,8 +58,8 @@ def _run(spec):
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model):
-    outputs, _ = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS))
+def baseline(tiny_model_dir):
+    outputs, _ = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS))
     # The workload must really evict: the second pass finds nothing on the device.
     assert all(cached == 0 for cached, _, _ in outputs[NUM_DOCS:])
     return outputs
@@ -80,8 +81,8 @@ def _check_against_baseline(outputs, summary, baseline):
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_outputs_identical_and_served_from_cpu(tiny_model, baseline, lazy):
-    outputs, summary = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS,
+def test_outputs_identical_and_served_from_cpu(tiny_model_dir, baseline, lazy):
+    outputs, summary = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS,
                                        offload=True, lazy_offload=lazy))
     _check_against_baseline(outputs, summary, baseline)
 
@@ -98,33 +99,33 @@ def _accelerator_missing(kind: str) -> str | None:
 
 @pytest.mark.parametrize("kind", [pytest.param("cuda", marks=pytest.mark.cuda),
                                   pytest.param("npu", marks=pytest.mark.npu)])
-def test_accelerator_singlecard_accuracy(tiny_model, baseline, kind, monkeypatch):
+def test_accelerator_singlecard_accuracy(tiny_model_dir, baseline, kind, monkeypatch):
     """The same accuracy check with the vendor backend on a real device."""
     reason = _accelerator_missing(kind)
     if reason is not None:
         pytest.skip(reason)
     monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", kind)
-    outputs, summary = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
+    outputs, summary = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
     _check_against_baseline(outputs, summary, baseline)
 
 
-def test_canary_corrupted_loads_change_outputs(tiny_model, baseline, monkeypatch):
+def test_canary_corrupted_loads_change_outputs(tiny_model_dir, baseline, monkeypatch):
     """The comparison above can fail: damaged KV from the CPU tier changes tokens."""
     from kvoffload_hal.hal import register_backend
 
     register_backend("corrupting-cpu", "corrupting_backend:CorruptingCpuBackend")
     monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", "corrupting-cpu")
     monkeypatch.syspath_prepend(__file__.rsplit("/", 1)[0])
-    outputs, _ = _run(EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
+    outputs, _ = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
     assert all(c > 0 for c, _, _ in outputs[NUM_DOCS:])
     differing = sum(tok != base for (_, tok, _), (_, base, _) in
                     zip(outputs[NUM_DOCS:], baseline[NUM_DOCS:]))
     assert differing > 0
 
 
-def test_disk_tier_serves_prefixes_evicted_from_device_and_cpu(tiny_model, baseline, tmp_path):
+def test_disk_tier_serves_prefixes_evicted_from_device_and_cpu(tiny_model_dir, baseline, tmp_path):
     block_bytes = 2 * 32 * 2 * 128 * 2  # layers x tokens x heads x (K+V)·head_dim x bf16
-    spec = EngineSpec(tiny_model, num_gpu_blocks=DEVICE_BLOCKS, offload=True,
+    spec = EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, offload=True,
                       cpu_bytes_to_use=12 * block_bytes,  # ~2 of the 8 documents
                       extra_config={"disk_path": str(tmp_path / "kv"),
                                     "disk_bytes_to_use": 100 * block_bytes})

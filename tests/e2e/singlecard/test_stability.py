@@ -14,15 +14,14 @@ A wrong KV block would show as a difference orders of magnitude larger.
 
 import pytest
 
-from kvoffload_hal.testing import (
+from kvoffload_hal.inprocess import (
     EngineSpec,
     close_llm,
-    drain_transfers,
     make_llm,
     scheduler_connector,
-    worker_connector,
 )
 from kvoffload_hal.tiny_model import synthetic_text
+from support.engines import drain_transfers, worker_connector
 
 pytestmark = pytest.mark.e2e
 
@@ -84,8 +83,8 @@ def _run(spec):
         close_llm(llm)
 
 
-def test_many_requests_preemptions_and_aborts(tiny_model):
-    common = dict(model=tiny_model, num_gpu_blocks=20, max_num_seqs=16, max_model_len=256,
+def test_many_requests_preemptions_and_aborts(tiny_model_dir):
+    common = dict(model=tiny_model_dir, num_gpu_blocks=20, max_num_seqs=16, max_model_len=256,
                   dtype="float32")
     base, base_summary = _run(EngineSpec(**common))
     out, summary = _run(EngineSpec(**common, offload=True, cpu_bytes_to_use=16 << 20))

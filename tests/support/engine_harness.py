@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvoffload_hal.testing import set_inprocess_env
+from kvoffload_hal.inprocess import offload_transfer_config, set_inprocess_env
 
 set_inprocess_env()
 
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import KVEventsConfig, KVTransferConfig  # noqa: E402
+from vllm.config import KVEventsConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
@@ -43,6 +43,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvoffload_hal.connector import HALOffloadConnector  # noqa: E402
+from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata  # noqa: E402
 
 HEADS, HEAD_DIM = 1, 32  # one KV "page" per token: 2 (K, V) x 1 x 32 bf16 = 128 bytes
 VOCAB = 97
@@ -119,7 +120,8 @@ class Engine:
             kv_cache_tensors=[KVCacheTensor(size=page * num_gpu_blocks,
                                             layers=[f"layer.{g}" for g in range(len(groups))],
                                             layer_stride=page * num_gpu_blocks, block_stride=page)],
-            kv_cache_groups=[KVCacheGroupSpec([f"layer.{g}"], spec) for g, spec in enumerate(groups)],
+            kv_cache_groups=[KVCacheGroupSpec([f"layer.{g}"], spec)
+                             for g, spec in enumerate(groups)],
         )
         cpu_bytes = cpu_blocks * page * ranks  # split evenly across ranks
         args = EngineArgs(
@@ -128,12 +130,8 @@ class Engine:
             model=model_dir, block_size=block_size, enable_prefix_caching=True,
             max_model_len=2048, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enforce_eager=True,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="HALOffloadConnector", kv_role="kv_both",
-                kv_connector_module_path="kvoffload_hal.connector",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes, "lazy_offload": lazy,
-                                           **(extra_config or {})}),
+            kv_transfer_config=offload_transfer_config(
+                cpu_bytes_to_use=cpu_bytes, lazy_offload=lazy, **(extra_config or {})),
         )
         self.vllm_config = args.create_engine_config()
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks  # set by profiling in vLLM
@@ -159,6 +157,8 @@ class Engine:
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
         self.steps = 0
+        self.sent: list[OffloadMetadata] = []  # each step's metadata, as the workers got it
+        self.reported: list[OffloadWorkerMetadata] = []  # this rank's reports
 
     # ------------------------------------------------------------ requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
@@ -179,6 +179,7 @@ class Engine:
     def step(self) -> None:
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
+        self.sent.append(meta)
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         # As vLLM's model runner: synchronous loads before the forward pass.
@@ -200,6 +201,8 @@ class Engine:
         stray = [(r, b) for r, b in wrong_reads if b not in errors]
         assert not stray, f"wrong KV read, not reported as a failed load: {stray[:5]}"
         worker_meta = self.worker.build_connector_worker_meta()
+        if worker_meta is not None:
+            self.reported.append(worker_meta)
         self.worker.clear_connector_metadata()
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -227,8 +230,7 @@ class Engine:
         raise AssertionError(
             f"not done after {max_steps} steps: requests "
             f"{ {r: q.status.name for r, q in self.scheduler.requests.items()} }, loads "
-            f"{ {r: ld.job_id for r, ld in self.offload._loads.items()} }, stores "
-            f"{ {j: st.tally.reports for j, st in self.offload.stores._sent.items()} }, backend pending "
+            f"{self.offload.num_jobs_in_flight()} jobs in flight, backend pending "
             f"{self.worker.worker.backend.num_pending}")
 
     def drain(self, max_steps: int = 200) -> None:

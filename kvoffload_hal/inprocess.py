@@ -1,4 +1,4 @@
-"""Run vLLM in-process with and without the connector (tests, the demo, benchmarks).
+"""Run vLLM in-process with and without the connector (the demo, benchmarks, tests).
 
 One process, one engine at a time: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
 ``uni`` executor keep the scheduler-side and worker-side connectors in this
@@ -40,8 +40,6 @@ class EngineSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)
 
     def llm_kwargs(self) -> dict[str, Any]:
-        from vllm.config import KVTransferConfig
-
         kwargs: dict[str, Any] = dict(
             model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
@@ -51,18 +49,23 @@ class EngineSpec:
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.offload:
-            kwargs["kv_transfer_config"] = KVTransferConfig(
-                kv_connector=CONNECTOR,
-                kv_connector_module_path="kvoffload_hal.connector",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config={
-                    "cpu_bytes_to_use": self.cpu_bytes_to_use,
-                    "lazy_offload": self.lazy_offload,
-                    **self.extra_config,
-                },
-            )
+            kwargs["kv_transfer_config"] = offload_transfer_config(
+                cpu_bytes_to_use=self.cpu_bytes_to_use, lazy_offload=self.lazy_offload,
+                **self.extra_config)
         return kwargs
+
+
+def offload_transfer_config(**extra_config: Any):
+    """``KVTransferConfig`` selecting this connector, with ``kv_connector_extra_config``.
+
+    Failed loads are recomputed (``kv_load_failure_policy="recompute"``).
+    """
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector=CONNECTOR,
+                            kv_connector_module_path="kvoffload_hal.connector",
+                            kv_role="kv_both", kv_load_failure_policy="recompute",
+                            kv_connector_extra_config=extra_config)
 
 
 def make_llm(spec: EngineSpec):
@@ -77,16 +80,6 @@ def scheduler_connector(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.get_kv_connector()
 
 
-def worker_connector():
-    """The worker-role connector of the in-process engine, or None."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import (
-        get_kv_transfer_group,
-        has_kv_transfer_group,
-    )
-
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
-
-
 def close_llm(llm) -> None:
     from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -96,24 +89,3 @@ def close_llm(llm) -> None:
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
-
-
-def drain_transfers(llm, timeout_s: float = 30.0) -> bool:
-    """Step an idle engine until the connector has no copy in flight; False on timeout.
-
-    A finished request's last stores (and disk spills) are planned when it
-    finishes and complete in later engine steps; an idle server keeps stepping,
-    an offline ``LLM.generate`` call does not.
-    """
-    import time
-
-    conn = scheduler_connector(llm)
-    if conn is None:
-        return True
-    deadline = time.monotonic() + timeout_s
-    while conn.scheduler.has_pending_transfers():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)  # as an idle engine waits for work: the copy threads run
-        llm.llm_engine.step()
-    return True
