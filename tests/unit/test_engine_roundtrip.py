@@ -11,7 +11,6 @@ import time
 import pytest
 
 from support import backend_doubles
-from support.engine_harness import Engine
 
 BS = 16
 
@@ -19,23 +18,6 @@ BS = 16
 def _docs(n, length, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(1, 90) for _ in range(length)] for _ in range(n)]
-
-
-@pytest.fixture
-def make_engine(tiny_model_dir, monkeypatch):
-    engines = []
-
-    def make(backend="cpu", **kwargs):
-        monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", backend)
-        kwargs.setdefault("num_gpu_blocks", 20)
-        kwargs.setdefault("cpu_blocks", 64)
-        engine = Engine(tiny_model_dir, block_size=BS, **kwargs)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
 
 
 def _two_passes(engine, docs, suffix=(5, 6)):

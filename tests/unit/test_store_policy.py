@@ -1,0 +1,175 @@
+"""Store policies on a real vLLM device ``BlockPool``: which blocks each one offers."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvoffload_hal.inprocess import set_inprocess_env
+
+set_inprocess_env()
+
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from kvoffload_hal.store_policy import (  # noqa: E402
+    BlockPicker,
+    EagerPolicy,
+    LazyPolicy,
+    lazy_window_blocks,
+)
+
+BS = 16
+
+
+def _pool(num_blocks=40):
+    return BlockPool(num_blocks, enable_caching=True, hash_block_size=BS)
+
+
+def _hash(i):
+    return make_block_hash_with_group_id(i.to_bytes(32, "little"), 0)
+
+
+def _cached_free_blocks(pool, n):
+    """``n`` hashed blocks returned to the free queue, in this order (oldest first)."""
+    blocks = pool.get_new_blocks(n)
+    for i, block in enumerate(blocks):
+        block.set_block_hash(_hash(1000 + i))
+    pool.free_blocks(blocks)
+    return blocks
+
+
+def _everything(block):
+    return True
+
+
+def test_lazy_offers_only_the_window_at_the_head_of_the_free_queue():
+    pool = _pool()
+    cached = _cached_free_blocks(pool, 30)  # taken from the head, returned to the tail
+    # Never-used blocks now lead the free queue (the null block is not in it).
+    fresh = pool.free_block_queue.num_free_blocks - 30
+    policy = LazyPolicy(window_blocks=fresh + 5)
+    policy.bind(pool)
+    picker = BlockPicker(budget=100, wanted=_everything)
+    policy.select(None, picker)
+    # The window ends 5 blocks into the cached ones: never hashed blocks are not offered.
+    assert [b.block_id for b in picker.blocks] == [b.block_id for b in cached[:5]]
+
+
+def test_lazy_window_smaller_than_the_free_queue_stops_at_its_end():
+    pool = _pool()
+    cached = _cached_free_blocks(pool, 39)  # the whole free queue is cached blocks
+    for window in (1, 4, 17):
+        policy = LazyPolicy(window)
+        policy.bind(pool)
+        picker = BlockPicker(budget=100, wanted=_everything)
+        policy.select(None, picker)
+        assert [b.block_id for b in picker.blocks] == [b.block_id for b in cached[:window]]
+
+
+def test_lazy_respects_the_budget_and_skips_unwanted_blocks():
+    pool = _pool()
+    cached = _cached_free_blocks(pool, 39)
+    policy = LazyPolicy(10)
+    policy.bind(pool)
+    stored = {cached[1].block_id, cached[2].block_id}
+    picker = BlockPicker(budget=3, wanted=lambda b: b.block_id not in stored)
+    policy.select(None, picker)
+    assert [b.block_id for b in picker.blocks] == [cached[i].block_id for i in (0, 3, 4)]
+
+
+def _config(*specs):
+    return KVCacheConfig(num_blocks=100, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s)
+                                          for i, s in enumerate(specs)])
+
+
+def test_lazy_window_is_two_steps_of_allocations_per_group():
+    kw = dict(block_size=BS, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
+    full = FullAttentionSpec(**kw)
+    window = SlidingWindowSpec(sliding_window=100, **kw)
+    mamba = MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,))
+    # Full attention: a step allocates at most a batch's tokens.
+    assert lazy_window_blocks(_config(full), 512) == 2 * 32
+    assert lazy_window_blocks(_config(full), 100) == 2 * 7
+    # Sliding window: never more than the window plus one block, whatever the batch.
+    assert lazy_window_blocks(_config(window), 512) == 2 * (7 + 1)
+    # Mamba: the state and the one being written.
+    assert lazy_window_blocks(_config(mamba), 512) == 2 * 2
+    assert lazy_window_blocks(_config(full, window, mamba), 512) == 2 * (32 + 8 + 2)
+
+
+def _request(req_id, computed):
+    return SimpleNamespace(request_id=req_id, num_computed_tokens=computed,
+                           num_output_placeholders=0)
+
+
+def _scheduled(req_id, new_block_ids):
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=new_block_ids)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]))
+
+
+def _hashed(pool, n):
+    blocks = pool.get_new_blocks(n)
+    for i, block in enumerate(blocks):
+        block.set_block_hash(_hash(i))
+    return blocks
+
+
+def test_eager_offers_each_confirmed_full_block_once():
+    pool = _pool()
+    blocks = _hashed(pool, 4)
+    policy = EagerPolicy([BS], [0])
+    policy.bind(pool)
+    req = _request("r", computed=2 * BS + 3)  # two full blocks confirmed
+    policy.on_allocated(req, 1)
+    picker = BlockPicker(100, _everything)
+    policy.select(_scheduled("r", ([b.block_id for b in blocks],)), picker)
+    assert picker.blocks == blocks[:2]
+    picker = BlockPicker(100, _everything)
+    policy.select(_scheduled("r", None), picker)
+    assert picker.blocks == []  # nothing new confirmed
+    req.num_computed_tokens = 4 * BS
+    picker = BlockPicker(100, _everything)
+    policy.on_finished(req, ([b.block_id for b in blocks],), picker)
+    assert picker.blocks == blocks[2:]  # the last blocks, from the final block table
+
+
+def test_eager_rewinds_on_preemption_and_reset():
+    pool = _pool()
+    blocks = _hashed(pool, 2)
+    ids = [b.block_id for b in blocks]
+    policy = EagerPolicy([BS], [0])
+    policy.bind(pool)
+    req = _request("r", computed=2 * BS)
+    policy.on_allocated(req, 1)
+    policy.select(_scheduled("r", (ids,)), BlockPicker(100, _everything))
+    policy.reset()  # the CPU tier forgot them: offered again
+    picker = BlockPicker(100, _everything)
+    policy.select(_scheduled("r", None), picker)
+    assert picker.blocks == blocks
+    policy.on_preempted("r")  # a fresh block table: the old ids are forgotten
+    picker = BlockPicker(100, _everything)
+    policy.select(_scheduled("r", None), picker)
+    assert picker.blocks == []
+
+
+def test_picker_keeps_one_block_per_hash_and_stops_when_full():
+    pool = _pool()
+    a, b, c = _hashed(pool, 3)
+    twin = pool.get_new_blocks(1)[0]
+    twin.set_block_hash(a.block_hash)
+    picker = BlockPicker(2, _everything)
+    for block in (a, twin, pool.null_block, b):
+        picker.offer(block)
+    assert picker.blocks == [a, b] and picker.full
+    with pytest.raises(AssertionError):
+        EagerPolicy([BS], [0])._offer(None, ([],), 0, picker)  # not bound

@@ -1,0 +1,84 @@
+"""TierCascade on its public methods, against a real CpuTier: spills, promotions, reports."""
+
+import pytest
+
+from kvoffload_hal.metadata import JobReport
+from kvoffload_hal.metrics import StatsLedger
+from kvoffload_hal.tiers.base import TierIndex
+from kvoffload_hal.tiers.cascade import TierCascade
+
+BS = 16
+
+
+@pytest.fixture
+def cascade(make_engine):
+    engine = make_engine(cpu_blocks=8)
+    cpu = engine.offload.cpu
+    return engine, cpu, TierCascade(TierIndex(16), cpu, world_size=2, stats=StatsLedger())
+
+
+def _published(engine, cpu, n, seed=0):
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    req = engine.add(f"r{seed}", [seed + 1 + i % 50 for i in range(n * BS + 1)])
+    engine.scheduler.waiting.remove(req)
+    blocks = cpu.allocate(n)
+    hashes = [make_block_hash_with_group_id(h, 0) for h in req.block_hashes[:n]]
+    cpu.publish(blocks, hashes)
+    return req, blocks, hashes
+
+
+def test_spill_is_committed_only_after_every_rank_reported(cascade):
+    engine, cpu, tiers = cascade
+    req, blocks, hashes = _published(engine, cpu, 3)
+    tiers.on_published(blocks, hashes)
+    cpu.unpin(blocks)
+    jobs = tiers.take_jobs()
+    assert jobs.promote is None and jobs.spill is not None
+    assert jobs.spill.items == [(h.hex(), b.block_id) for h, b in zip(hashes, blocks)]
+    assert cpu.num_pinned_blocks() == 3  # read by the tier: not reusable
+    tiers.on_reports({jobs.spill.job_id: JobReport()})
+    assert not tiers.index.is_ready(hashes[0].hex()) and tiers.has_pending()
+    tiers.on_reports({jobs.spill.job_id: JobReport()})
+    assert all(tiers.index.is_ready(h.hex()) for h in hashes)
+    assert tiers.stats.totals.data["blocks_to_disk"] == 3
+    assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
+
+
+def _spilled_then_dropped(engine, cpu, tiers, n):
+    req, blocks, hashes = _published(engine, cpu, n)
+    tiers.on_published(blocks, hashes)
+    cpu.unpin(blocks)
+    spill = tiers.take_jobs().spill
+    tiers.on_reports({spill.job_id: JobReport(ranks=2)})
+    cpu.drop_all()  # the CPU tier forgot them; the disk still has them
+    return req, hashes
+
+
+def test_promotion_publishes_up_to_the_first_failed_key(cascade):
+    engine, cpu, tiers = cascade
+    req, hashes = _spilled_then_dropped(engine, cpu, tiers, 4)
+    assert tiers.lookup(req, (), 0, 4) is True  # promotion started: ask again later
+    assert tiers.lookup(req, (), 0, 4) is True  # still in flight
+    promote = tiers.take_jobs().promote
+    assert [k for k, _ in promote.items] == [h.hex() for h in hashes]
+    bad = hashes[2].hex()
+    tiers.on_reports({promote.job_id: JobReport(ranks=1)})
+    tiers.on_reports({promote.job_id: JobReport(ranks=1, failed_keys=(bad,))})
+    assert cpu.find_hit(req.block_hashes, 0, 10_000)[1] == 2 * BS
+    assert bad not in tiers.index  # a failed read is forgotten
+    assert tiers.lookup(req, (), 2, 4) is False  # this request recomputes the rest
+    tiers.request_finished(req.request_id)
+    assert cpu.num_pinned_blocks() == 0
+
+
+def test_reset_abandons_promotions_in_flight(cascade):
+    engine, cpu, tiers = cascade
+    req, _ = _spilled_then_dropped(engine, cpu, tiers, 3)
+    assert tiers.lookup(req, (), 0, 3)
+    promote = tiers.take_jobs().promote
+    tiers.reset()
+    tiers.on_reports({promote.job_id: JobReport(ranks=2)})
+    assert cpu.find_hit(req.block_hashes, 0, 10_000)[1] == 0  # nothing from before the reset
+    tiers.request_finished(req.request_id)
+    assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
