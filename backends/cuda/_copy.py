@@ -11,7 +11,8 @@ Contract of :meth:`BatchCopier.copy` (called from the copy thread only):
 * any other non-success result raises :class:`~._driver.CudaError` (with the
   job-level index of the offending descriptor when the driver names one) after
   waiting for the chunks already enqueued, so a failed job has no copy still
-  writing its destination.
+  writing its destination (chunking and that wait are
+  :func:`~kvoffload_hal.hal.plumbing.enqueue_in_chunks`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
+
 from kvoffload_hal.backends.cuda._driver import (
     CU_MEM_LOCATION_TYPE_DEVICE,
     CU_MEM_LOCATION_TYPE_HOST,
@@ -30,8 +32,8 @@ from kvoffload_hal.backends.cuda._driver import (
     CudaDriver,
     CUmemcpyAttributes,
 )
-
 from kvoffload_hal.hal.backend import Direction
+from kvoffload_hal.hal.plumbing import enqueue_in_chunks
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.logger import init_logger
 
@@ -94,23 +96,19 @@ class BatchCopier:
         dsts = np.ascontiguousarray(batch.dst_ptrs, dtype=np.uint64)
         srcs = np.ascontiguousarray(batch.src_ptrs, dtype=np.uint64)
         sizes = np.ascontiguousarray(batch.sizes, dtype=np.uint64)
-        calls = 0  # driver copy calls that returned success
-        try:
-            for start in range(0, sizes.size, self.max_descriptors):
-                end = min(start + self.max_descriptors, sizes.size)
-                if self._batch is not None and self._copy_batched(direction, dsts, srcs, sizes,
-                                                                  start, end, stream):
-                    calls += 1
-                    continue
-                self._copy_looped(dsts, srcs, sizes, start, end, stream)
-                calls += end - start
-        except BaseException:
-            # Copies already enqueued may still be writing the destination: let them
-            # finish before the job is reported failed and its blocks are reused.
-            # The result is ignored; the original error is the one to report.
-            self._driver.cuStreamSynchronize(stream)
-            raise
-        return calls
+
+        def enqueue(start: int, end: int) -> int:
+            """Descriptors ``[start, end)``; returns the driver copy calls made."""
+            if self._batch is not None and self._copy_batched(direction, dsts, srcs, sizes,
+                                                              start, end, stream):
+                return 1
+            self._copy_looped(dsts, srcs, sizes, start, end, stream)
+            return end - start
+
+        # On failure the stream is drained; its result is ignored, since the
+        # copy error is the one to report.
+        return enqueue_in_chunks(sizes.size, self.max_descriptors, enqueue,
+                                 lambda: self._driver.cuStreamSynchronize(stream))
 
     def _copy_batched(self, direction: Direction, dsts: np.ndarray, srcs: np.ndarray,
                       sizes: np.ndarray, start: int, end: int, stream: int) -> bool:

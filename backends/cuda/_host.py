@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 
 import torch
+
 from kvoffload_hal.backends.cuda._driver import CudaDriver
 
 __all__ = ["HostRegistry", "REGISTER_CHUNK_BYTES"]
@@ -37,7 +38,8 @@ PAGE_BYTES = mmap.PAGESIZE
 class HostRegistry:
     """Allocates, registers and unregisters host buffers; owns the chunk lists."""
 
-    def __init__(self, driver: CudaDriver, register_chunk_bytes: int = REGISTER_CHUNK_BYTES) -> None:
+    def __init__(self, driver: CudaDriver,
+                 register_chunk_bytes: int = REGISTER_CHUNK_BYTES) -> None:
         if register_chunk_bytes <= 0 or register_chunk_bytes % PAGE_BYTES:
             raise ValueError(
                 f"register_chunk_bytes must be a positive multiple of the page size "

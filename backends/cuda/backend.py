@@ -13,7 +13,8 @@ How the :class:`~kvoffload_hal.hal.backend.DmaCopyBackend` contract is met:
   the compute enqueued before ``submit`` has finished writing it, and a load
   never overwrites a block that compute enqueued earlier may still read (a
   block freed by one request and reallocated to a loading one; the
-  write-after-read race of vLLM issue #47282).
+  write-after-read race of vLLM issue #47282). If the event cannot be
+  recorded, ``_prepare`` raises and the job is reported failed, never launched.
 * **Copies**: one ``cuMemcpyBatchAsync`` per job (chunked above
   ``max_descriptors``), else a ``cuMemcpyAsync`` loop (see ``_copy.py``).
 * **Completion**: an event recorded on the copy stream after the batch;
@@ -28,12 +29,13 @@ library swaps the whole driver; the CPU test suite does that with a fake.
 from __future__ import annotations
 
 import ctypes
-import os
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from kvoffload_hal.backends.cuda._copy import BatchCopier
 from kvoffload_hal.backends.cuda._driver import (
     CU_EVENT_DISABLE_TIMING,
@@ -45,8 +47,8 @@ from kvoffload_hal.backends.cuda._driver import (
     probe_library,
 )
 from kvoffload_hal.backends.cuda._host import REGISTER_CHUNK_BYTES, HostRegistry
-
 from kvoffload_hal.hal.backend import Direction, TransferJob
+from kvoffload_hal.hal.plumbing import env_int, log_once
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.hal.threaded import ThreadedCopyBackend
 from kvoffload_hal.logger import init_logger
@@ -60,31 +62,12 @@ MAX_DESCRIPTORS_ENV_VAR = "KVOFFLOAD_HAL_CUDA_MAX_DESCRIPTORS"
 # costs nothing measurable while bounding what one driver call must take in.
 MAX_DESCRIPTORS = 8192
 
-_logged_paths: set[str] = set()
-
 
 @dataclass
 class _Pending:
     """Completion handle of one launched job: an event recorded after its copies."""
 
     event: int | None
-
-
-@dataclass(frozen=True)
-class _FenceError:
-    """``_prepare`` could not record the compute fence; the launch fails the job."""
-
-    error: Exception
-
-
-def _max_descriptors_from_env() -> int:
-    raw = os.environ.get(MAX_DESCRIPTORS_ENV_VAR)
-    if not raw:
-        return MAX_DESCRIPTORS
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{MAX_DESCRIPTORS_ENV_VAR}={raw!r} is not an integer") from None
 
 
 class CudaCopyBackend(ThreadedCopyBackend):
@@ -97,7 +80,7 @@ class CudaCopyBackend(ThreadedCopyBackend):
                  register_chunk_bytes: int = REGISTER_CHUNK_BYTES) -> None:
         super().__init__(device)
         self.max_descriptors = (max_descriptors if max_descriptors is not None
-                                else _max_descriptors_from_env())
+                                else env_int(MAX_DESCRIPTORS_ENV_VAR, MAX_DESCRIPTORS, minimum=1))
         if self.max_descriptors <= 0:
             raise ValueError(f"max_descriptors must be positive, got {self.max_descriptors}")
         self.register_chunk_bytes = register_chunk_bytes
@@ -154,7 +137,8 @@ class CudaCopyBackend(ThreadedCopyBackend):
     def _start(self) -> None:
         driver = self._ensure_context()
         least, greatest = ctypes.c_int(0), ctypes.c_int(0)
-        driver.check(driver.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+        driver.check(driver.cuCtxGetStreamPriorityRange(ctypes.byref(least),
+                                                        ctypes.byref(greatest)),
                      "cuCtxGetStreamPriorityRange")
         for direction in Direction:
             stream = ctypes.c_void_p()
@@ -166,24 +150,23 @@ class CudaCopyBackend(ThreadedCopyBackend):
         batch_memcpy, why_not = driver.resolve_batch_memcpy()
         self._copier = BatchCopier(driver, batch_memcpy, self.max_descriptors, self._ordinal)
         path = self._copier.path
-        if path not in _logged_paths:  # once per process and path, not per worker restart
-            _logged_paths.add(path)
-            if batch_memcpy is None:
-                logger.info("CUDA KV offload copies: %s (%s)", path, why_not)
-            else:
-                logger.info("CUDA KV offload copies: %s, up to %d descriptors per call",
-                            path, self.max_descriptors)
+        # Once per process, not per worker restart.
+        if batch_memcpy is None:
+            log_once(logger, logging.INFO, "CUDA KV offload copies: %s (%s)", path, why_not)
+        else:
+            log_once(logger, logging.INFO,
+                     "CUDA KV offload copies: %s, up to %d descriptors per call",
+                     path, self.max_descriptors)
 
     def _prepare(self, job: TransferJob) -> Any:
         # An empty job is never launched, so a fence recorded for it would never
         # be waited on and destroyed.
         if job.num_blocks == 0:
             return None
-        # Must not raise: submit() has already counted the job as pending.
         try:
             return self._record_event(self._compute_stream_handle())
-        except Exception as e:  # noqa: BLE001 - reported by _launch as a failed job
-            return _FenceError(e)
+        except Exception as e:
+            raise RuntimeError(f"could not record the compute fence: {e}") from e
 
     def _launch(self, direction: Direction, batch: CopyBatch, fence: Any) -> _Pending:
         driver, stream = self._driver, self._streams[direction]
@@ -191,8 +174,6 @@ class CudaCopyBackend(ThreadedCopyBackend):
         if not getattr(self._thread_state, "has_context", False):
             self._set_current()  # driver calls need a current context per thread
             self._thread_state.has_context = True
-        if isinstance(fence, _FenceError):
-            raise RuntimeError(f"could not record the compute fence: {fence.error}")
         if fence is not None:
             try:
                 driver.check(driver.cuStreamWaitEvent(stream, fence, 0), "cuStreamWaitEvent")

@@ -1,4 +1,6 @@
-"""Ascend NPU backend (aclrtMemcpyBatchAsync through ctypes). Imports no CANN library at import time."""
+"""Ascend NPU backend (aclrtMemcpyBatchAsync through ctypes).
+
+Imports no CANN library at import time."""
 
 from kvoffload_hal.backends.npu.backend import NpuCopyBackend
 

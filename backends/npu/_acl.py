@@ -13,13 +13,16 @@ Calls bound (signatures from the CANN runtime API reference):
   Atlas A2/A3),
 * ``aclrtMemcpyAsync(dst, destMax, src, count, kind, stream)``, the per-copy
   fallback for older runtimes,
-* ``aclrtMallocHost(void **hostPtr, size_t size)`` / ``aclrtFreeHost(void *)``.
+* ``aclrtMallocHost(void **hostPtr, size_t size)`` / ``aclrtFreeHost(void *)``,
+* ``aclrtSynchronizeStream(stream)``, to drain the stream after a failed call.
 
 Contract of :meth:`AclRuntime.memcpy_batch`: enqueue every descriptor on the
 raw ``aclrtStream`` and return without waiting (given pinned host memory);
 raise :class:`AclError` on the first failed call, naming the descriptor index
-when the runtime reports one. Copies within one call are unordered, exactly as
-the runtime documents for a batch.
+when the runtime reports one, after waiting for the calls already enqueued, so
+a failed job has no copy still writing its destination (chunking and that wait
+are :func:`~kvoffload_hal.hal.plumbing.enqueue_in_chunks`). Copies within one
+call are unordered, exactly as the runtime documents for a batch.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvoffload_hal.hal.plumbing import enqueue_in_chunks
 from kvoffload_hal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -123,7 +127,8 @@ class AclRuntime:
 
     def __init__(self, lib: ctypes.CDLL, max_batch_descriptors: int = 8192) -> None:
         if max_batch_descriptors <= 0:
-            raise ValueError(f"max_batch_descriptors must be positive, got {max_batch_descriptors}")
+            raise ValueError("max_batch_descriptors must be positive, "
+                             f"got {max_batch_descriptors}")
         self.lib = lib
         self.max_batch_descriptors = max_batch_descriptors
         if _has(lib, BATCH_V2):
@@ -148,6 +153,9 @@ class AclRuntime:
         self._free_host = lib.aclrtFreeHost
         self._free_host.argtypes = [_P]
         self._free_host.restype = ctypes.c_int
+        self._synchronize_stream = lib.aclrtSynchronizeStream
+        self._synchronize_stream.argtypes = [_P]
+        self._synchronize_stream.restype = ctypes.c_int
 
     # ------------------------------------------------------------ host memory
     def malloc_host(self, num_bytes: int) -> int:
@@ -166,26 +174,36 @@ class AclRuntime:
     # ----------------------------------------------------------------- copies
     def memcpy_batch(self, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np.ndarray,
                      to_device: bool, device_id: int, stream: int) -> int:
-        """Enqueue ``sizes[k]`` bytes ``src_ptrs[k] -> dst_ptrs[k]`` on ``stream``; return ACL calls made.
+        """Enqueue ``sizes[k]`` bytes ``src_ptrs[k] -> dst_ptrs[k]`` on ``stream``.
 
-        ``to_device`` is the single direction of the whole call (host->device
-        when true); the runtime rejects batches that mix directions.
+        Returns the ACL copy calls made. ``to_device`` is the single direction
+        of the whole call (host->device when true); the runtime rejects batches
+        that mix directions.
         """
         dsts = np.ascontiguousarray(dst_ptrs, dtype=np.uint64)
         srcs = np.ascontiguousarray(src_ptrs, dtype=np.uint64)
         lens = np.ascontiguousarray(sizes, dtype=np.uint64)
         if not (dsts.size == srcs.size == lens.size):
-            raise ValueError(f"descriptor arrays differ in length: {dsts.size}, {srcs.size}, {lens.size}")
-        if self._batch is None:
-            return self._copy_each(dsts, srcs, lens, to_device, stream)
-        attr = self._attr(to_device, device_id)
-        calls = 0
-        for start in range(0, lens.size, self.max_batch_descriptors):
-            stop = min(start + self.max_batch_descriptors, lens.size)
+            raise ValueError("descriptor arrays differ in length: "
+                             f"{dsts.size}, {srcs.size}, {lens.size}")
+        attr = self._attr(to_device, device_id) if self._batch is not None else None
+
+        def enqueue(start: int, stop: int) -> int:
+            """Descriptors ``[start, stop)``; returns the ACL copy calls made."""
+            if attr is None:
+                return self._copy_each(dsts, srcs, lens, start, stop, to_device, stream)
             self._batch_call(_Pointers(dsts[start:stop], srcs[start:stop], lens[start:stop]),
                              attr, start, stream)
-            calls += 1
-        return calls
+            return 1
+
+        return enqueue_in_chunks(lens.size, self.max_batch_descriptors, enqueue,
+                                 lambda: self.synchronize_stream(stream))
+
+    def synchronize_stream(self, stream: int) -> None:
+        """Block until every task enqueued on the raw ``stream`` has finished."""
+        ret = self._synchronize_stream(stream)
+        if ret != ACL_SUCCESS:
+            raise AclError(f"aclrtSynchronizeStream failed with aclError {ret}")
 
     @staticmethod
     def _attr(to_device: bool, device_id: int) -> AclMemcpyBatchAttr:
@@ -216,11 +234,15 @@ class AclRuntime:
                      else f"failIndex {first + fail_index.value}")
             raise AclError(f"{BATCH_V1} of {count} copies failed with aclError {ret} ({where})")
 
-    def _copy_each(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray,
-                   to_device: bool, stream: int) -> int:
+    def _copy_each(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray, start: int,
+                   stop: int, to_device: bool, stream: int) -> int:
+        """One ``aclrtMemcpyAsync`` per descriptor of ``[start, stop)``."""
         kind = ACL_MEMCPY_HOST_TO_DEVICE if to_device else ACL_MEMCPY_DEVICE_TO_HOST
-        for k, (dst, src, n) in enumerate(zip(dsts.tolist(), srcs.tolist(), lens.tolist())):
+        for k, (dst, src, n) in enumerate(zip(dsts[start:stop].tolist(),
+                                              srcs[start:stop].tolist(),
+                                              lens[start:stop].tolist()), start):
             ret = self._copy(dst, n, src, n, kind, stream)
             if ret != ACL_SUCCESS:
-                raise AclError(f"{PER_COPY} of descriptor {k} ({n} bytes) failed with aclError {ret}")
-        return int(lens.size)
+                raise AclError(f"{PER_COPY} of descriptor {k} ({n} bytes) "
+                               f"failed with aclError {ret}")
+        return stop - start

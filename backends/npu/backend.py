@@ -1,4 +1,4 @@
-"""Ascend NPU backend: ``aclrtMemcpyBatchAsync`` through ctypes, torch_npu streams and events.
+"""Ascend NPU backend: ``aclrtMemcpyBatchAsync`` through ctypes, torch_npu streams, events.
 
 What this backend adds to :class:`~kvoffload_hal.hal.threaded.ThreadedCopyBackend`
 (which owns job ids, queues, polling and the flush barrier):
@@ -8,7 +8,9 @@ What this backend adds to :class:`~kvoffload_hal.hal.threaded.ThreadedCopyBacken
   on a dedicated ``torch.npu.Stream`` per direction, passing the raw
   ``aclrtStream`` (``stream.npu_stream``). Batches longer than
   ``max_batch_descriptors`` (``KVOFFLOAD_HAL_NPU_MAX_BATCH_DESCRIPTORS``,
-  default 8192) are split into several calls on the same stream.
+  default 8192) are split into several calls on the same stream; if one
+  fails, the stream is synchronized before the job is reported failed, so no
+  earlier call is still writing its destination.
 * **Fences.** A store must not read a block before the compute already
   enqueued has written it, and a load must not overwrite a block that compute
   enqueued earlier may still read (a block freed and reallocated to a loading
@@ -30,17 +32,17 @@ so ``import kvoffload_hal.backends.npu`` works on machines without CANN.
 from __future__ import annotations
 
 import ctypes
-import functools
 import importlib
 import importlib.util
-import os
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvoffload_hal.backends.npu._acl import AclRuntime, load_acl_library
 
+from kvoffload_hal.backends.npu._acl import PER_COPY, AclRuntime, load_acl_library
 from kvoffload_hal.hal.backend import Direction, TransferJob
+from kvoffload_hal.hal.plumbing import env_int, log_once
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.hal.threaded import ThreadedCopyBackend
 from kvoffload_hal.logger import init_logger
@@ -54,14 +56,14 @@ MAX_DESCRIPTORS_ENV = "KVOFFLOAD_HAL_NPU_MAX_BATCH_DESCRIPTORS"
 DEFAULT_MAX_BATCH_DESCRIPTORS = 8192
 
 
-@functools.cache
 def _log_copy_path_once(path: str) -> None:
-    if path == "aclrtMemcpyAsync":
-        logger.warning("kvoffload_hal npu: this CANN exports no aclrtMemcpyBatchAsync "
-                       "(needs 8.3.RC1+ on Atlas A2/A3); falling back to one aclrtMemcpyAsync "
-                       "per block run, which is slower")
+    if path == PER_COPY:
+        log_once(logger, logging.WARNING,
+                 "kvoffload_hal npu: this CANN exports no aclrtMemcpyBatchAsync "
+                 "(needs 8.3.RC1+ on Atlas A2/A3); falling back to one aclrtMemcpyAsync "
+                 "per block run, which is slower")
     else:
-        logger.info("kvoffload_hal npu: block copies use %s", path)
+        log_once(logger, logging.INFO, "kvoffload_hal npu: block copies use %s", path)
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,8 @@ class NpuCopyBackend(ThreadedCopyBackend):
         importlib.import_module("torch_npu")  # registers torch.npu; needs CANN
         self._npu = torch.npu
         if max_batch_descriptors is None:
-            max_batch_descriptors = int(os.environ.get(MAX_DESCRIPTORS_ENV)
-                                        or DEFAULT_MAX_BATCH_DESCRIPTORS)
+            max_batch_descriptors = env_int(MAX_DESCRIPTORS_ENV, DEFAULT_MAX_BATCH_DESCRIPTORS,
+                                            minimum=1)
         self._acl = AclRuntime(load_acl_library(), max_batch_descriptors)
         _log_copy_path_once(self._acl.path)
         if self.device is not None and self.device.index is not None:
@@ -112,7 +114,8 @@ class NpuCopyBackend(ThreadedCopyBackend):
             importlib.import_module("torch_npu")
             visible = bool(torch.npu.is_available())
         except Exception as e:  # noqa: BLE001 - torch_npu fails in many ways without CANN
-            return f"torch_npu is not importable: {type(e).__name__}: {' '.join(str(e).split())}"
+            detail = " ".join(str(e).split())
+            return f"torch_npu is not importable: {type(e).__name__}: {detail}"
         return None if visible else "no NPU is visible"
 
     @property
@@ -131,7 +134,8 @@ class NpuCopyBackend(ThreadedCopyBackend):
         if num_bytes <= 0:
             raise ValueError(f"host allocation must be positive, got {num_bytes} bytes")
         ptr = self._acl.malloc_host(num_bytes)
-        tensor = torch.frombuffer((ctypes.c_uint8 * num_bytes).from_address(ptr), dtype=torch.uint8)
+        tensor = torch.frombuffer((ctypes.c_uint8 * num_bytes).from_address(ptr),
+                                  dtype=torch.uint8)
         self._host_allocs[tensor.data_ptr()] = ptr
         return tensor
 

@@ -1,6 +1,8 @@
-"""The hardware-abstraction layer: the DmaCopyBackend seam, regions, completion, registry."""
+"""The hardware-abstraction layer: the DmaCopyBackend seam, regions, completion, registry,
+and the plumbing vendor backends share."""
 
 from kvoffload_hal.hal.backend import Direction, DmaCopyBackend, JobResult, TransferJob
+from kvoffload_hal.hal.plumbing import chunk_bounds, enqueue_in_chunks, env_int, log_once
 from kvoffload_hal.hal.regions import (
     BlockRegion,
     CopyBatch,
@@ -32,10 +34,14 @@ __all__ = [
     "TransferJob",
     "backend_names",
     "build_copy_batch",
+    "chunk_bounds",
     "create_backend",
     "describe_kv_tensor",
+    "enqueue_in_chunks",
+    "env_int",
     "get_backend_class",
     "host_regions_for",
+    "log_once",
     "merge_runs",
     "register_backend",
     "resolve_backend_name",

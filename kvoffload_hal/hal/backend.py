@@ -37,7 +37,9 @@ unless stated otherwise):
     block before the compute already enqueued on the device has finished.
     Job ids must increase per direction; submitting an id that was already
     submitted is a no-op, so a job is launched at most once. One submission
-    per direction per engine step is the normal case.
+    per direction per engine step is the normal case. ``submit`` raises only
+    for misuse (not bound, shut down); a job that fails once accepted, even
+    before its copies start, is reported failed by ``poll``/``flush``.
 
 ``poll()``
     Non-blocking: the :class:`JobResult` of every job that finished since the
@@ -152,7 +154,8 @@ class DmaCopyBackend(ABC):
         return describe_kv_tensor(tensor, num_blocks)
 
     @abstractmethod
-    def bind(self, device_regions: Sequence[BlockRegion], host_regions: Sequence[BlockRegion]) -> None:
+    def bind(self, device_regions: Sequence[BlockRegion],
+             host_regions: Sequence[BlockRegion]) -> None:
         """Fix the region pairs that later jobs copy between."""
 
     @abstractmethod

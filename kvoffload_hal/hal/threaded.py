@@ -16,9 +16,18 @@ They share nothing but two ``queue.SimpleQueue``: ``submit -> copy thread``
 (jobs and flush barriers) and ``copy thread -> engine`` (launched jobs with their
 completion handles), plus one ``threading.Event`` set when a shutdown gives up
 waiting, after which the copy thread launches nothing more (the caller may free
-the memory as soon as ``shutdown`` returns). No list is mutated from two threads. A flush puts a barrier
-behind every queued job and waits for the copy thread to reach it, so jobs still
-queued and not yet launched are waited for as well as launched ones.
+the memory as soon as ``shutdown`` returns). No list is mutated from two threads.
+A flush puts a barrier behind every queued job and waits for the copy thread to
+reach it, so jobs still queued and not yet launched are waited for as well as
+launched ones.
+
+A job's errors never escape ``submit``: once a job passes the checks of
+``submit`` (bound, not shut down, a new id), it counts as submitted (its id is
+taken and ``num_pending`` grows) and every later failure is its result. If
+``_prepare`` raises, the job is queued with the error instead of a fence and the
+copy thread reports it failed, in submission order, without launching it; if
+building its descriptors or ``_launch`` raises, likewise. ``poll`` and ``flush``
+report such a job once, with ``ok=False`` and the exception in ``error``.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ FLUSH_TIMEOUT_S = 600.0
 class _Launch:
     job: TransferJob
     fence: Any  # from _prepare(), e.g. an event recorded on the compute stream
+    error: str | None = None  # _prepare() raised: report this, launch nothing
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,11 @@ class _Barrier:
 
 
 _STOP = object()
+
+
+def _error_text(e: BaseException) -> str:
+    """The ``JobResult.error`` of a job failed by ``e``."""
+    return f"{type(e).__name__}: {e}"
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,10 @@ class ThreadedCopyBackend(DmaCopyBackend):
         """Engine thread, once in :meth:`bind`: create streams and the like."""
 
     def _prepare(self, job: TransferJob) -> Any:
-        """Engine thread, per job: return a fence the copy must wait for (stores)."""
+        """Engine thread, per job: return a fence the copy must wait for.
+
+        May raise: the job then still counts as submitted and is reported failed.
+        """
         return None
 
     @abstractmethod
@@ -114,11 +132,13 @@ class ThreadedCopyBackend(DmaCopyBackend):
         """Engine thread, once at shutdown after the copy thread ended."""
 
     # ------------------------------------------------------------------ API
-    def bind(self, device_regions: Sequence[BlockRegion], host_regions: Sequence[BlockRegion]) -> None:
+    def bind(self, device_regions: Sequence[BlockRegion],
+             host_regions: Sequence[BlockRegion]) -> None:
         if self._regions is not None:
             raise RuntimeError(f"{type(self).__name__} is already bound")
         if len(device_regions) != len(host_regions):
-            raise ValueError(f"{len(device_regions)} device regions vs {len(host_regions)} host regions")
+            raise ValueError(f"{len(device_regions)} device regions vs "
+                             f"{len(host_regions)} host regions")
         self._regions = (tuple(device_regions), tuple(host_regions))
         self._start()
         self._thread = threading.Thread(
@@ -134,11 +154,14 @@ class ThreadedCopyBackend(DmaCopyBackend):
         if job.job_id <= self._last_job_id[job.direction]:
             logger.debug("ignoring re-submission of %s job %d", job.direction.value, job.job_id)
             return
-        # Prepare first: if it raises, the job was not submitted and may be retried.
-        fence = self._prepare(job)
+        try:
+            launch = _Launch(job, self._prepare(job))
+        except Exception as e:  # noqa: BLE001 - reported as a failed job, not raised
+            logger.error("%s job %d failed to prepare: %s", job.direction.value, job.job_id, e)
+            launch = _Launch(job, None, _error_text(e))
         self._last_job_id[job.direction] = job.job_id
         self._num_pending += 1
-        self._submit_q.put(_Launch(job, fence))
+        self._submit_q.put(launch)
 
     def poll(self) -> list[JobResult]:
         self._drain_done_queue()
@@ -151,7 +174,7 @@ class ThreadedCopyBackend(DmaCopyBackend):
             try:
                 finished = self._query(entry.handle)
             except Exception as e:  # noqa: BLE001 - any runtime error fails the job
-                results.append(self._result(entry, error=f"{type(e).__name__}: {e}"))
+                results.append(self._result(entry, error=_error_text(e)))
                 continue
             if finished:
                 results.append(self._result(entry))
@@ -183,7 +206,7 @@ class ThreadedCopyBackend(DmaCopyBackend):
                 try:
                     self._synchronize(entry.handle)
                 except Exception as e:  # noqa: BLE001
-                    error = f"{type(e).__name__}: {e}"
+                    error = _error_text(e)
             results.append(self._result(entry, error=error))
         self._launched.clear()
         self._num_pending -= len(results)
@@ -222,8 +245,9 @@ class ThreadedCopyBackend(DmaCopyBackend):
                 continue
             job = item.job
             launched_at = time.perf_counter()
-            if self._abandoned.is_set():
-                self._done_q.put(_Launched(job, None, "backend shut down before launch", launched_at, 0))
+            if item.error is not None or self._abandoned.is_set():
+                error = item.error or "backend shut down before launch"
+                self._done_q.put(_Launched(job, None, error, launched_at, 0))
                 continue
             try:
                 if job.direction is Direction.STORE:
@@ -235,7 +259,7 @@ class ThreadedCopyBackend(DmaCopyBackend):
                 handle = self._launch(job.direction, batch, item.fence) if len(batch) else None
             except Exception as e:  # noqa: BLE001 - reported as a failed job
                 logger.error("%s job %d failed to launch: %s", job.direction.value, job.job_id, e)
-                self._done_q.put(_Launched(job, None, f"{type(e).__name__}: {e}", launched_at, 0))
+                self._done_q.put(_Launched(job, None, _error_text(e), launched_at, 0))
                 continue
             self._done_q.put(_Launched(job, handle, None, launched_at, batch.num_bytes))
 
@@ -253,7 +277,8 @@ class ThreadedCopyBackend(DmaCopyBackend):
             except queue.Empty:
                 return
             if isinstance(item, _Launch):
-                self._done_q.put(_Launched(item.job, None, reason, time.perf_counter(), 0))
+                error = item.error or reason
+                self._done_q.put(_Launched(item.job, None, error, time.perf_counter(), 0))
             elif item is _STOP:
                 # A copy thread still busy in a launch must still find its stop marker.
                 self._submit_q.put(_STOP)
@@ -261,7 +286,8 @@ class ThreadedCopyBackend(DmaCopyBackend):
 
     def _result(self, entry: _Launched, error: str | None = None) -> JobResult:
         now = time.perf_counter()
-        seconds = 0.0 if entry.handle is None else self._elapsed_s(entry.handle, entry.launched_at, now)
+        seconds = (0.0 if entry.handle is None
+                   else self._elapsed_s(entry.handle, entry.launched_at, now))
         return JobResult(
             job_id=entry.job.job_id,
             direction=entry.job.direction,

@@ -175,8 +175,9 @@ def test_import_loads_no_vendor_runtime():
         vendor = sorted(m for m in sys.modules
                         if m.split(".")[0] in {"torch_npu", "cuda", "cupy", "pycuda", "acl"})
         maps = open("/proc/self/maps").read()
+        names = ("libcuda", "libcudart", "libascendcl", "libacl")
         libs = sorted({line.rsplit("/", 1)[-1] for line in maps.splitlines()
-                       if any(k in line for k in ("libcuda", "libcudart", "libascendcl", "libacl"))})
+                       if any(k in line for k in names)})
         print(vendor, libs, torch.cuda.is_initialized())
     """)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

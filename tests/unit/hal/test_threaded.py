@@ -11,7 +11,8 @@ import torch
 
 from kvoffload_hal.backends.cpu import CpuCopyBackend
 from kvoffload_hal.hal.backend import Direction, TransferJob
-from kvoffload_hal.hal.regions import host_regions_for
+from support.backend_rig import BackendRig
+from support.polling import collect_results
 
 BLOCK = 256
 STORE, LOAD = Direction.STORE, Direction.LOAD
@@ -20,7 +21,8 @@ STORE, LOAD = Direction.STORE, Direction.LOAD
 class RecordingBackend(CpuCopyBackend):
     """Records every launch; optionally sleeps or waits on a gate before copying."""
 
-    def __init__(self, sleep_s: tuple[float, float] = (0.0, 0.0), gate: threading.Event | None = None):
+    def __init__(self, sleep_s: tuple[float, float] = (0.0, 0.0),
+                 gate: threading.Event | None = None):
         super().__init__()
         self.sleep_s, self.gate = sleep_s, gate
         self.launches: list[tuple[Direction, int]] = []
@@ -39,50 +41,33 @@ class RecordingBackend(CpuCopyBackend):
         super()._stop()
 
 
-class Rig:
-    """A backend bound to one device tensor of ``num_blocks`` distinct blocks and a host buffer."""
-
-    def __init__(self, backend: CpuCopyBackend, num_blocks: int = 16, num_host_blocks: int = 16):
-        self.backend = backend
-        self.kv = torch.arange(num_blocks * BLOCK, dtype=torch.int32).view(num_blocks, -1).to(torch.uint8)
-        self.kv += torch.arange(num_blocks, dtype=torch.uint8).view(-1, 1)  # blocks differ
-        self.original = self.kv.clone()
-        self.host = backend.allocate_host(num_host_blocks * BLOCK)
-        self.host.zero_()
-        regions = backend.describe_kv_tensor(self.kv, num_blocks)
-        backend.bind(regions, host_regions_for(regions, self.host.data_ptr(), num_host_blocks))
-
-    def host_block(self, i: int) -> torch.Tensor:
-        return self.host[i * BLOCK:(i + 1) * BLOCK]
-
-
-def _wait_for(backend, count: int, timeout_s: float = 10.0):
-    results, deadline = [], time.monotonic() + timeout_s
-    while len(results) < count and time.monotonic() < deadline:
-        results += backend.poll()
-        time.sleep(0.001)
-    return results
+def make_rig(backend: CpuCopyBackend, num_blocks: int = 16,
+             num_host_blocks: int = 16) -> BackendRig:
+    """``backend`` bound to one device tensor of ``num_blocks`` distinct blocks of BLOCK bytes."""
+    kv = torch.arange(num_blocks * BLOCK, dtype=torch.int32).view(num_blocks, -1).to(torch.uint8)
+    kv += torch.arange(num_blocks, dtype=torch.uint8).view(-1, 1)  # blocks differ
+    return BackendRig(backend, [kv], num_blocks, num_host_blocks)
 
 
 @pytest.fixture
 def rig():
-    r = Rig(RecordingBackend())
+    r = make_rig(RecordingBackend())
     yield r
-    r.backend.shutdown()
+    r.close()
 
 
 def test_results_carry_job_fields_and_arrive_once(rig):
     rig.backend.submit(TransferJob(0, STORE, [3, 4, 5, 9], [0, 1, 2, 3], tag={"req": "a"}))
     rig.backend.submit(TransferJob(0, LOAD, [0], [12], tag="b"))
-    results = _wait_for(rig.backend, 2)
+    results = collect_results(rig.backend.poll, 2)
     assert [(r.job_id, r.direction, r.ok, r.num_blocks, r.num_bytes, r.tag) for r in results] == [
         (0, STORE, True, 4, 4 * BLOCK, {"req": "a"}),
         (0, LOAD, True, 1, BLOCK, "b"),
     ]
     assert all(r.error is None and r.seconds >= 0 for r in results)
     assert rig.backend.poll() == [] and rig.backend.num_pending == 0
-    assert torch.equal(rig.host_block(3), rig.original[9])
-    assert torch.equal(rig.kv[12], rig.original[3])
+    rig.assert_stored([9], [3])
+    assert torch.equal(rig.kv[12], rig.initial_device_block(0, 3))
 
 
 def test_tags_survive_many_polls_and_steps(rig):
@@ -114,7 +99,7 @@ def test_resubmission_launches_once(rig):
 )
 def test_invalid_job_is_a_failed_result_not_a_success(rig, src, dst, match):
     rig.backend.submit(TransferJob(0, STORE, src, dst, tag="t"))
-    (result,) = _wait_for(rig.backend, 1)
+    (result,) = collect_results(rig.backend.poll, 1)
     assert (result.ok, result.num_bytes, result.tag) == (False, 0, "t")
     assert "ValueError" in result.error and match in result.error
     assert rig.backend.launches == [] and torch.count_nonzero(rig.host) == 0
@@ -128,28 +113,75 @@ def test_failing_launch_is_reported_as_failed():
         def _launch(self, direction, batch, fence):
             raise OSError("DMA engine on fire")
 
-    r = Rig(Failing())
+    r = make_rig(Failing())
     r.backend.submit(TransferJob(0, LOAD, [1], [1]))
     (result,) = r.backend.flush()
     assert not result.ok and result.error == "OSError: DMA engine on fire" and result.num_bytes == 0
     r.backend.shutdown()
 
 
+class FailingPrepare(RecordingBackend):
+    """``_prepare`` raises for the ids in ``fail_ids``, as when no compute fence can be recorded."""
+
+    def __init__(self, fail_ids, gate: threading.Event | None = None):
+        super().__init__(gate=gate)
+        self.fail_ids = set(fail_ids)
+
+    def _prepare(self, job):
+        if job.job_id in self.fail_ids:
+            raise RuntimeError(f"no compute stream for job {job.job_id}")
+        return super()._prepare(job)
+
+
+@pytest.mark.parametrize("report", ["poll", "flush"])
+def test_failing_prepare_is_a_failed_job_not_an_engine_error(report):
+    r = make_rig(FailingPrepare(fail_ids={0}))
+    r.backend.submit(TransferJob(0, STORE, [1], [1], tag="t"))  # must not raise
+    assert r.backend.num_pending == 1
+    if report == "poll":
+        (result,) = collect_results(r.backend.poll, 1)
+    else:
+        (result,) = r.backend.flush()
+    assert (result.job_id, result.direction, result.ok, result.num_bytes, result.tag) == (
+        0, STORE, False, 0, "t")
+    assert result.error == "RuntimeError: no compute stream for job 0"
+    assert r.backend.launches == [] and torch.count_nonzero(r.host) == 0  # never launched
+    assert r.backend.num_pending == 0 and r.backend.poll() == []
+    r.backend.submit(TransferJob(0, STORE, [1], [1]))  # its id was taken: ignored
+    assert r.backend.num_pending == 0
+    r.backend.submit(TransferJob(1, STORE, [2], [2]))  # a later job still works
+    assert [(x.job_id, x.ok) for x in r.backend.flush()] == [(1, True)]
+    r.assert_stored([2], [2])
+    r.close()
+
+
+def test_failing_prepare_is_reported_in_submission_order():
+    gate = threading.Event()
+    r = make_rig(FailingPrepare(fail_ids={1}, gate=gate))
+    for i in range(3):
+        r.backend.submit(TransferJob(i, LOAD, [i], [i]))
+    assert r.backend.poll() == []  # job 0 is held at the gate; job 1 waits behind it
+    gate.set()
+    assert [(x.job_id, x.ok) for x in r.backend.flush()] == [(0, True), (1, False), (2, True)]
+    assert [d for d, _ in r.backend.launches] == [LOAD, LOAD]
+    r.close()
+
+
 def test_submit_before_bind_and_double_bind_raise():
     b = CpuCopyBackend()
     with pytest.raises(RuntimeError, match="bind"):
         b.submit(TransferJob(0, STORE, [0], [0]))
-    r = Rig(b)
+    r = make_rig(b)
     with pytest.raises(RuntimeError, match="already bound"):
         b.bind([], [])
     r.backend.shutdown()
     with pytest.raises(ValueError, match="regions"):
-        CpuCopyBackend().bind(b._regions[0], [])
+        CpuCopyBackend().bind(r.device_regions, [])
 
 
 def test_flush_waits_for_queued_and_launched_jobs():
     gate = threading.Event()
-    r = Rig(RecordingBackend(gate=gate))
+    r = make_rig(RecordingBackend(gate=gate))
     for i in range(3):
         r.backend.submit(TransferJob(i, STORE, [i], [i]))
     time.sleep(0.05)
@@ -159,14 +191,14 @@ def test_flush_waits_for_queued_and_launched_jobs():
     results = r.backend.flush()
     assert time.monotonic() - start >= 0.15
     assert [(x.job_id, x.ok) for x in results] == [(0, True), (1, True), (2, True)]
-    assert all(torch.equal(r.host_block(i), r.original[i]) for i in range(3))
+    r.assert_stored(range(3), range(3))
     assert r.backend.poll() == [] and r.backend.flush() == [] and r.backend.num_pending == 0
     r.backend.shutdown()
 
 
 def test_shutdown_with_a_stuck_copy_returns_within_its_timeout():
     gate = threading.Event()
-    r = Rig(RecordingBackend(gate=gate))
+    r = make_rig(RecordingBackend(gate=gate))
     for i in range(3):
         r.backend.submit(TransferJob(i, STORE, [i], [i]))
     start = time.monotonic()
@@ -185,26 +217,27 @@ def test_shutdown_with_a_stuck_copy_returns_within_its_timeout():
     assert not r.backend._thread.is_alive()
     # Nothing queued at shutdown is launched afterwards: the memory may be gone.
     assert len(r.backend.launches) == 1
-    results += _wait_for(r.backend, 3 - len(results), timeout_s=2)
+    results += collect_results(r.backend.poll, 3 - len(results), timeout_s=2)
     assert sorted(x.job_id for x in results if not x.ok) == [1, 2]
     assert not r.backend.stopped  # resources left alone while the thread was busy
 
 
 def test_shutdown_waits_for_in_flight_jobs_and_stops():
-    r = Rig(RecordingBackend(sleep_s=(0.02, 0.02)))
+    r = make_rig(RecordingBackend(sleep_s=(0.02, 0.02)))
     for i in range(4):
         r.backend.submit(TransferJob(i, STORE, [i], [i]))
     r.backend.shutdown(timeout_s=5)
     assert len(r.backend.launches) == 4 and r.backend.stopped
-    assert all(torch.equal(r.host_block(i), r.original[i]) for i in range(4))
+    r.assert_stored(range(4), range(4))
 
 
 def test_stress_one_engine_thread_many_jobs_with_random_launch_delays():
     nb, num_jobs, load_dsts = 32, 400, range(24, 32)
-    r = Rig(RecordingBackend(sleep_s=(0.0, 0.0005)), num_blocks=nb, num_host_blocks=num_jobs + 8)
+    r = make_rig(RecordingBackend(sleep_s=(0.0, 0.0005)), num_blocks=nb,
+                 num_host_blocks=num_jobs + 8)
     # Host blocks num_jobs.. hold patterns the loads bring back to device blocks 24..31.
     for h in range(8):
-        r.host_block(num_jobs + h).fill_(200 + h)
+        r.host_block(0, num_jobs + h).fill_(200 + h)
     rng = random.Random(0)
     seen: dict[tuple[str, int], list] = {}
     expected_load_src = {}
@@ -232,10 +265,9 @@ def test_stress_one_engine_thread_many_jobs_with_random_launch_delays():
         assert len(results) == 1
         (x,) = results
         assert x.ok and x.num_bytes == BLOCK and x.tag == (direction[0], job_id)
-    for step in range(num_jobs):
-        assert torch.equal(r.host_block(step), r.original[step % 24])
-    for dst, src in expected_load_src.items():  # the last load into a block wins
-        assert torch.equal(r.kv[dst], r.host_block(src))
+    r.assert_stored([step % 24 for step in range(num_jobs)], range(num_jobs))
+    # The last load into a block wins.
+    r.assert_loaded(list(expected_load_src.values()), list(expected_load_src))
     r.backend.shutdown()
 
 
@@ -244,7 +276,7 @@ def test_independent_backends_from_several_threads():
 
     def worker(seed: int) -> None:
         try:
-            r = Rig(RecordingBackend(sleep_s=(0.0, 0.0002)), num_blocks=16, num_host_blocks=64)
+            r = make_rig(RecordingBackend(sleep_s=(0.0, 0.0002)), num_blocks=16, num_host_blocks=64)
             got = []
             for i in range(64):
                 r.backend.submit(TransferJob(i, STORE, [(i + seed) % 16], [i], tag=seed))
@@ -252,8 +284,7 @@ def test_independent_backends_from_several_threads():
             got += r.backend.flush()
             assert sorted(x.job_id for x in got) == list(range(64))
             assert all(x.ok and x.tag == seed for x in got)
-            for i in range(64):
-                assert torch.equal(r.host_block(i), r.original[(i + seed) % 16])
+            r.assert_stored([(i + seed) % 16 for i in range(64)], range(64))
             r.backend.shutdown()
         except BaseException as e:  # noqa: BLE001 - re-raised on the test thread
             errors.append(e)

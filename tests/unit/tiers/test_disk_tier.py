@@ -1,21 +1,17 @@
 """DiskTier on real files: round trips, integrity failures, eviction, concurrency."""
 
 import os
-import time
 
 import pytest
 import torch
 
 from kvoffload_hal.tiers.disk import _HEADER, DiskTier
+from support.polling import collect_results, wait_until
 
 
-def _wait(tier, n_jobs, timeout_s=10):
-    results, deadline = [], time.monotonic() + timeout_s
-    while len(results) < n_jobs and time.monotonic() < deadline:
-        results += tier.poll()
-        time.sleep(0.001)
-    assert len(results) == n_jobs
-    return {r.job_id: r for r in results}
+def _wait(tier, n_jobs):
+    """The next ``n_jobs`` results of ``tier``, by job id."""
+    return {r.job_id: r for r in collect_results(tier.poll, n_jobs)}
 
 
 @pytest.fixture(params=[False, True], ids=["buffered", "o_direct"])
@@ -71,10 +67,8 @@ def test_evict_deletes_files(tier):
     tier.submit_store(0, [("ee05", 0)])
     _wait(tier, 1)
     tier.evict(["ee05", "never-written"])
-    deadline = time.monotonic() + 5
-    while os.path.exists(os.path.join(tier.root, "ee", "ee05.kvb")) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert not os.path.exists(os.path.join(tier.root, "ee", "ee05.kvb"))
+    path = os.path.join(tier.root, "ee", "ee05.kvb")
+    wait_until(lambda: not os.path.exists(path), 5, "the evicted file to be deleted")
 
 
 def test_many_concurrent_jobs_each_reported_once(tier):

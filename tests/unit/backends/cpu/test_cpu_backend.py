@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 from kvoffload_hal.backends.cpu import CpuCopyBackend
 from kvoffload_hal.backends.cpu import backend as cpu_backend
 from kvoffload_hal.hal.backend import Direction, TransferJob
-from kvoffload_hal.hal.regions import host_bytes_per_block, host_regions_for
+from kvoffload_hal.hal.regions import host_bytes_per_block
+from support.backend_rig import BackendRig
+from support.polling import collect_results
 
 ALIGN = 2 << 20  # Ascend's 2 MiB alignment of the K and V caches
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8]
@@ -86,21 +88,14 @@ def test_store_then_load_into_other_blocks_is_byte_exact(layout, dtype, data):
     before = storage.clone()
     originals = [v.clone() for v, _ in views]
 
-    backend = CpuCopyBackend()
+    rig = BackendRig(CpuCopyBackend(), [v for v, _ in views], nb, num_host, host_fill=0xA5)
+    backend = rig.backend
     try:
-        regions = [r for v, _ in views for r in backend.describe_kv_tensor(v, nb)]
-        host = backend.allocate_host(num_host * host_bytes_per_block(regions))
-        host.fill_(0xA5)
-        host_regions = host_regions_for(regions, host.data_ptr(), num_host)
-        backend.bind(regions, host_regions)
-
         backend.submit(TransferJob(7, Direction.STORE, src, host_ids, tag="store"))
-        stored = []
-        while not stored:
-            stored = backend.poll()
+        stored = collect_results(backend.poll, 1)
         backend.submit(TransferJob(7, Direction.LOAD, host_ids, dst, tag="load"))
         (loaded,) = backend.flush()
-        job_bytes = n * host_bytes_per_block(regions)
+        job_bytes = n * host_bytes_per_block(rig.device_regions)
         for result, tag in ((stored[0], "store"), (loaded, "load")):
             assert (result.ok, result.num_blocks, result.num_bytes, result.tag) == (
                 True, n, job_bytes, tag)
@@ -115,12 +110,11 @@ def test_store_then_load_into_other_blocks_is_byte_exact(layout, dtype, data):
         outside = ~_block_span_mask(views, num_bytes, dst)
         assert torch.equal(storage[outside], before[outside])
         # Host blocks not written keep their sentinel.
-        for r in host_regions:
+        for i in range(len(rig.host_regions)):
             for h in set(range(num_host)) - set(host_ids):
-                off = r.base_ptr - host.data_ptr() + h * r.block_bytes
-                assert bool((host[off:off + r.block_bytes] == 0xA5).all())
+                assert bool((rig.host_block(i, h) == 0xA5).all())
     finally:
-        backend.shutdown()
+        rig.close()
 
 
 @pytest.mark.parametrize("path", ["extension-1-thread", "extension-2-threads", "python-loop"])
@@ -133,25 +127,20 @@ def test_large_uneven_batch_is_exact_on_every_copy_path(monkeypatch, path):
     nb, block = 64, 64 * 1024
     kv = torch.randint(0, 256, (nb, block), dtype=torch.uint8)
     backend = CpuCopyBackend(num_copy_threads=2 if path.endswith("2-threads") else 1)
-    host = backend.allocate_host(nb * block)
-    host.zero_()
-    (region,) = backend.describe_kv_tensor(kv, nb)
-    backend.bind([region], host_regions_for([region], host.data_ptr(), nb))
+    rig = BackendRig(backend, [kv], nb, nb)
     src = list(range(0, 20)) + [40, 33, 50] + list(range(51, 60))
     dst = list(range(30, 50)) + [1, 9, 2] + list(range(10, 19))
     backend.submit(TransferJob(0, Direction.STORE, src, dst))
     (result,) = backend.flush()
-    backend.shutdown()
+    rig.close()
     assert result.ok and result.num_bytes == len(src) * block
-    hv = host.view(nb, block)
+    hv = rig.host_view[0]
     assert torch.equal(hv[dst], kv[src])
     untouched = sorted(set(range(nb)) - set(dst))
     assert not hv[untouched].any()
 
 
 def test_allocate_host_rejects_non_positive_sizes():
-    import pytest
-
     with pytest.raises(ValueError, match="positive"):
         CpuCopyBackend().allocate_host(0)
     assert CpuCopyBackend().allocate_host(10).dtype == torch.uint8

@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
-from cuda_fake import FAKE_SOURCE, VARIANTS, FakeDriver, FakeGpuBackend, KvSetup
+from cuda_fake import FAKE_SOURCE, VARIANTS, FakeDriver, FakeGpuBackend, flash_attn_rig
+
+from support.backend_rig import BackendRig
+from support.native import compile_shared_library
 
 
 @pytest.fixture(scope="session")
 def build_fake(tmp_path_factory):
     """``build_fake(variant) -> path`` of the compiled library, built once per session."""
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        pytest.skip("no C compiler (gcc/cc) to build the fake CUDA driver")
     out_dir = tmp_path_factory.mktemp("fake_cuda")
     built: dict[str, str] = {}
 
     def build(variant: str) -> str:
         if variant not in built:
-            path = out_dir / f"libfakecuda_{variant}.so"
-            subprocess.run(
-                [gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-fvisibility=hidden",
-                 "-pthread", *VARIANTS[variant], "-o", str(path), str(FAKE_SOURCE)],
-                check=True, capture_output=True, text=True,
-            )
+            # Hidden by default: the fake exports exactly the symbols it marks EXPORT.
+            path = compile_shared_library(FAKE_SOURCE, out_dir,
+                                          ["-fvisibility=hidden", *VARIANTS[variant]],
+                                          name=f"libfakecuda_{variant}.so")
             built[variant] = str(path)
         return built[variant]
 
@@ -46,12 +41,12 @@ def fake(build_fake, variant) -> FakeDriver:
 
 @pytest.fixture
 def make_setup(fake):
-    """``make_setup(**backend_kwargs)`` -> a bound :class:`KvSetup`; closed at teardown."""
-    setups: list[KvSetup] = []
+    """``make_setup(device, **backend_kwargs)`` -> a bound rig; closed at teardown."""
+    setups: list[BackendRig] = []
 
-    def make(device: str = "cuda:0", setup_kwargs: dict | None = None, **kwargs) -> KvSetup:
+    def make(device: str = "cuda:0", **kwargs) -> BackendRig:
         backend = FakeGpuBackend(device, library_path=fake.path, **kwargs)
-        setups.append(KvSetup(backend, **(setup_kwargs or {})))
+        setups.append(flash_attn_rig(backend))
         return setups[-1]
 
     yield make

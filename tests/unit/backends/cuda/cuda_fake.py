@@ -8,13 +8,12 @@ CPU tensors: the fake copies with memmove, so every byte can be checked.
 from __future__ import annotations
 
 import ctypes
-import time
 from pathlib import Path
 
 import torch
 
 from kvoffload_hal.backends.cuda import CudaCopyBackend
-from kvoffload_hal.hal.regions import host_regions_for
+from support.backend_rig import BackendRig
 
 FAKE_SOURCE = Path(__file__).with_name("fake_cuda.c")
 
@@ -73,18 +72,19 @@ class FakeDriver:
         return out
 
     def batches(self) -> list[BatchRecord]:
-        out = []
-        for i in range(self.lib.fake_num_batches()):
-            rec = BatchRecord()
-            assert self.lib.fake_batch(i, ctypes.byref(rec)) == 0
-            out.append(rec)
-        return out
+        return self._records(BatchRecord, self.lib.fake_num_batches, self.lib.fake_batch)
 
     def registrations(self) -> list[RegRecord]:
+        return self._records(RegRecord, self.lib.fake_num_registrations,
+                             self.lib.fake_registration)
+
+    @staticmethod
+    def _records(record_type, count, read) -> list:
+        """Every record the fake kept: ``read(i, &record)`` for ``i < count()``."""
         out = []
-        for i in range(self.lib.fake_num_registrations()):
-            rec = RegRecord()
-            assert self.lib.fake_registration(i, ctypes.byref(rec)) == 0
+        for i in range(count()):
+            rec = record_type()
+            assert read(i, ctypes.byref(rec)) == 0
             out.append(rec)
         return out
 
@@ -109,31 +109,11 @@ class FakeGpuBackend(CudaCopyBackend):
         return self.compute_stream
 
 
-class KvSetup:
-    """A FlashAttention-like (2, num_blocks, block_bytes) "device" tensor and its host tier."""
-
-    def __init__(self, backend: CudaCopyBackend, num_device_blocks: int = 32,
-                 num_host_blocks: int = 48, block_bytes: int = 96, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.backend = backend
-        self.kv = torch.randint(0, 256, (2, num_device_blocks, block_bytes), dtype=torch.uint8,
-                                generator=gen)
-        self.device_regions = backend.describe_kv_tensor(self.kv, num_device_blocks)
-        self.host = backend.allocate_host(2 * num_host_blocks * block_bytes)
-        self.host.zero_()
-        self.host_view = self.host.view(2, num_host_blocks, block_bytes)
-        self.host_regions = host_regions_for(self.device_regions, self.host.data_ptr(),
-                                             num_host_blocks)
-        backend.bind(self.device_regions, self.host_regions)
-
-    def close(self) -> None:
-        self.backend.shutdown()
-        self.backend.free_host(self.host)
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.001)
+def flash_attn_rig(backend: CudaCopyBackend, num_device_blocks: int = 32,
+                   num_host_blocks: int = 48, block_bytes: int = 96, seed: int = 0) -> BackendRig:
+    """``backend`` bound to a FlashAttention-like (2, num_blocks, block_bytes) "device" tensor
+    of random bytes (two regions, K and V) and to a zeroed host tier."""
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randint(0, 256, (2, num_device_blocks, block_bytes), dtype=torch.uint8,
+                       generator=gen)
+    return BackendRig(backend, [kv], num_device_blocks, num_host_blocks)

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_fake import CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_NOT_SUPPORTED, SIZE_MAX, wait_until
+from cuda_fake import CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_NOT_SUPPORTED, SIZE_MAX
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvoffload_hal.backends.cuda import _copy, backend as cuda_backend
+from kvoffload_hal.backends.cuda import _copy
+from kvoffload_hal.backends.cuda import backend as cuda_backend
 from kvoffload_hal.backends.cuda._driver import (
     CU_MEM_LOCATION_TYPE_DEVICE,
     CU_MEM_LOCATION_TYPE_HOST,
     CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
     CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
 )
+from kvoffload_hal.hal import plumbing
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from kvoffload_hal.hal.regions import merge_runs
+from support.polling import collect_results, wait_until
 
 NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS = 32, 48
 
@@ -137,9 +140,6 @@ def test_batches_are_chunked_at_max_descriptors(fake, make_setup):
 def test_max_descriptors_from_env_var(fake, monkeypatch):
     monkeypatch.setenv(cuda_backend.MAX_DESCRIPTORS_ENV_VAR, "3")
     assert cuda_backend.CudaCopyBackend("cuda:0").max_descriptors == 3
-    monkeypatch.setenv(cuda_backend.MAX_DESCRIPTORS_ENV_VAR, "many")
-    with pytest.raises(ValueError, match="not an integer"):
-        cuda_backend.CudaCopyBackend("cuda:0")
     monkeypatch.delenv(cuda_backend.MAX_DESCRIPTORS_ENV_VAR)
     assert cuda_backend.CudaCopyBackend("cuda:0").max_descriptors == cuda_backend.MAX_DESCRIPTORS
     with pytest.raises(ValueError, match="must be positive"):
@@ -148,10 +148,22 @@ def test_max_descriptors_from_env_var(fake, monkeypatch):
         _copy.BatchCopier(None, None, 0, 0)
 
 
+@pytest.mark.parametrize(("raw", "expected"), [
+    ("many", "an integer >= 1"), ("2.5", "an integer >= 1"), ("0", ">= 1"), ("-4", ">= 1"),
+])
+def test_bad_max_descriptors_env_var_is_named(fake, monkeypatch, raw, expected):
+    monkeypatch.setenv(cuda_backend.MAX_DESCRIPTORS_ENV_VAR, raw)
+    with pytest.raises(ValueError) as info:
+        cuda_backend.CudaCopyBackend("cuda:0")
+    message = str(info.value)
+    assert message.startswith(f"KVOFFLOAD_HAL_CUDA_MAX_DESCRIPTORS={raw!r}")
+    assert expected in message and "\n" not in message
+
+
 @pytest.mark.parametrize("variant", ["no_batch"])
 def test_loop_fallback_without_batch_entry_point_is_logged_once(
         fake, make_setup, caplog, monkeypatch):
-    monkeypatch.setattr(cuda_backend, "_logged_paths", set())
+    monkeypatch.setattr(plumbing, "_logged_messages", set())
     with caplog.at_level("INFO", logger=cuda_backend.__name__):
         first, _ = make_setup(), make_setup()
     assert first.backend.copy_path == _copy.LOOP_PATH
@@ -214,7 +226,7 @@ def test_event_error_fails_the_job(fake, make_setup, use_flush):
     setup = make_setup()
     fake.lib.fake_set_defer(1)
     setup.backend.submit(load(0, [0, 1], [4, 5]))
-    wait_until(lambda: fake.calls("cuEventRecord") == 2)  # compute fence + completion
+    wait_until(lambda: fake.calls("cuEventRecord") == 2, what="the fence and completion events")
     fake.lib.fake_fail_query(CUDA_ERROR_ILLEGAL_ADDRESS)
     results = setup.backend.flush() if use_flush else setup.backend.poll()
     assert len(results) == 1 and not results[0].ok
@@ -228,7 +240,7 @@ def test_poll_reports_not_ready_jobs_later(fake, make_setup):
     setup = make_setup()
     fake.lib.fake_set_defer(1)
     setup.backend.submit(store(0, [3, 4], [0, 1], tag="late"))
-    wait_until(lambda: fake.calls("cuEventRecord") == 2)  # compute fence + completion
+    wait_until(lambda: fake.calls("cuEventRecord") == 2, what="the fence and completion events")
     assert setup.backend.poll() == [] and setup.backend.num_pending == 1
     assert not setup.host_view[:, :2].any()  # nothing copied yet
     fake.lib.fake_run_all()
@@ -244,6 +256,7 @@ def test_empty_job_completes_without_a_copy(fake, make_setup):
     (result,) = setup.backend.flush()
     assert result.ok and result.num_bytes == 0
     setup.backend.submit(store(0, [], []))
-    wait_until(lambda: setup.backend.poll() != [])  # polled, not flushed, this time
+    (result,) = collect_results(setup.backend.poll, 1)  # polled, not flushed, this time
+    assert result.ok and result.num_bytes == 0
     assert fake.batches() == [] and fake.calls("cuEventRecord") == 0
     assert fake.lib.fake_live_events() == 0  # no fence recorded for a job never launched

@@ -7,20 +7,18 @@ library through ``KVOFFLOAD_HAL_ACL_LIBRARY`` and its torch_npu calls reach
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
-
-from kvoffload_hal.backends.npu._acl import ACL_LIBRARY_ENV
-
 from ascend_kv import AscendKv, ascend_kv
 from fake_acl import FakeAcl
 from fake_torch_npu import FakeNpuModule, fake_torch_npu_module
+
+from kvoffload_hal.backends.npu._acl import ACL_LIBRARY_ENV
+from support.native import compile_shared_library
 
 SOURCE = Path(__file__).with_name("fake_ascendcl.c")
 
@@ -36,19 +34,10 @@ VARIANTS = {
 
 @pytest.fixture(scope="session")
 def fake_libs(tmp_path_factory) -> dict[str, Path]:
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        pytest.skip("no C compiler to build the fake libascendcl")
     out = tmp_path_factory.mktemp("fake_acl")
-    libs = {}
-    for name, flags in VARIANTS.items():
-        # One directory per variant, each holding a file named like the real one.
-        path = out / name / "libascendcl.so"
-        path.parent.mkdir()
-        subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-pthread",
-                        *flags, "-o", str(path), str(SOURCE)], check=True)
-        libs[name] = path
-    return libs
+    # One directory per variant, each holding a file named like the real one.
+    return {name: compile_shared_library(SOURCE, out / name, flags, name="libascendcl.so")
+            for name, flags in VARIANTS.items()}
 
 
 @dataclass

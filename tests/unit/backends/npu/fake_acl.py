@@ -13,11 +13,12 @@ class FakeAcl:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         for fn in ("fake_max_num_batches", "fake_last_num_batches", "fake_last_num_attrs",
-                   "fake_last_attr_index0", "fake_last_stream"):
+                   "fake_last_attr_index0", "fake_last_stream", "fake_last_sync_stream"):
             getattr(self.lib, fn).restype = ctypes.c_size_t
         for fn in ("fake_v1_calls", "fake_v2_calls", "fake_copy_calls", "fake_total_calls",
-                   "fake_live_host_allocs"):
+                   "fake_live_host_allocs", "fake_sync_calls", "fake_sync_after_calls"):
             getattr(self.lib, fn).restype = ctypes.c_long
+        self.lib.fake_fail_call.argtypes = [ctypes.c_long, ctypes.c_int]
         self.lib.fake_reset()
 
     def __getattr__(self, name: str):

@@ -12,6 +12,9 @@
  *   -DFAKE_NO_V1      do not export the 10-argument aclrtMemcpyBatchAsync (V2 only)
  *   -DFAKE_FAIL_INDEX=n  the 10-argument batch fails at descriptor n (when it exists)
  * Build both NO flags for a runtime without any batch symbol (per-copy fallback).
+ *
+ * At run time, fake_fail_call(n, code) makes the n-th copy call (batch or
+ * per-copy, counted from now, 1-based) return `code` without copying.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -47,6 +50,10 @@ static uint8_t g_last_attr[sizeof(aclrtMemcpyBatchAttr)];
 static uintptr_t g_last_stream;
 static int g_last_kind = -1;
 static unsigned g_delay_us;
+static long g_attempts, g_fail_nth; /* copy calls tried since fake_fail_call; 0 = never fail */
+static int g_fail_code;
+static long g_sync_calls, g_sync_after_calls; /* g_total_calls at the last synchronize */
+static uintptr_t g_last_sync_stream;
 
 /* ----------------------------------------------------------- test hooks */
 int fake_attr_size(void) { return (int)sizeof(aclrtMemcpyBatchAttr); }
@@ -63,6 +70,25 @@ uintptr_t fake_last_stream(void) { return g_last_stream; }
 int fake_last_kind(void) { return g_last_kind; }
 void fake_last_attr_bytes(uint8_t *out) { memcpy(out, g_last_attr, sizeof g_last_attr); }
 void fake_set_delay_us(unsigned us) { g_delay_us = us; }
+long fake_sync_calls(void) { return g_sync_calls; }
+long fake_sync_after_calls(void) { return g_sync_after_calls; }
+uintptr_t fake_last_sync_stream(void) { return g_last_sync_stream; }
+
+void fake_fail_call(long nth, int code) {
+    pthread_mutex_lock(&g_lock);
+    g_attempts = 0;
+    g_fail_nth = nth;
+    g_fail_code = code;
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* The error to return from this copy call, or ACL_SUCCESS. */
+static aclError injected_failure(void) {
+    pthread_mutex_lock(&g_lock);
+    aclError code = (g_fail_nth > 0 && ++g_attempts == g_fail_nth) ? g_fail_code : ACL_SUCCESS;
+    pthread_mutex_unlock(&g_lock);
+    return code;
+}
 
 void fake_reset(void) {
     pthread_mutex_lock(&g_lock);
@@ -72,6 +98,10 @@ void fake_reset(void) {
     g_last_stream = 0;
     g_last_kind = -1;
     g_delay_us = 0;
+    g_attempts = g_fail_nth = 0;
+    g_fail_code = 0;
+    g_sync_calls = g_sync_after_calls = 0;
+    g_last_sync_stream = 0;
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -92,11 +122,24 @@ aclError aclrtFreeHost(void *hostPtr) {
     return ACL_SUCCESS;
 }
 
+/* ----------------------------------------------------------- streams */
+/* Copies finish inside their call here, so there is nothing to wait for: record the call. */
+aclError aclrtSynchronizeStream(aclrtStream stream) {
+    pthread_mutex_lock(&g_lock);
+    g_sync_calls++;
+    g_sync_after_calls = g_total_calls;
+    g_last_sync_stream = (uintptr_t)stream;
+    pthread_mutex_unlock(&g_lock);
+    return ACL_SUCCESS;
+}
+
 /* ----------------------------------------------------------- copies */
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count,
                           int kind, aclrtStream stream) {
     if (dst == NULL || src == NULL || count > destMax) return ACL_ERROR_INVALID_PARAM;
     if (kind != 1 && kind != 2) return ACL_ERROR_INVALID_PARAM; /* H2D or D2H only */
+    aclError injected = injected_failure();
+    if (injected != ACL_SUCCESS) return injected;
     pthread_mutex_lock(&g_lock);
     g_copy_calls++;
     g_total_calls++;
@@ -108,15 +151,18 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
 }
 
 /* Shared body of both batch forms; *failIndex is written only when failIndex != NULL. */
-__attribute__((unused)) static aclError batch(void **dsts, size_t *destMaxs, void **srcs, size_t *sizes,
-                      size_t numBatches, aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes,
-                      size_t numAttrs, size_t *failIndex, aclrtStream stream, long *counter) {
+__attribute__((unused)) static aclError batch(void **dsts, size_t *destMaxs, void **srcs,
+                                              size_t *sizes, size_t numBatches,
+                                              aclrtMemcpyBatchAttr *attrs, size_t *attrsIndexes,
+                                              size_t numAttrs, size_t *failIndex,
+                                              aclrtStream stream, long *counter) {
     if (failIndex) *failIndex = SIZE_MAX;
     if (g_delay_us) usleep(g_delay_us);
     if (!dsts || !destMaxs || !srcs || !sizes || !attrs || !attrsIndexes || numBatches == 0)
         return ACL_ERROR_INVALID_PARAM;
     /* Documented rules: attrsIndexes[0] == 0, strictly increasing, numAttrs <= numBatches. */
-    if (numAttrs == 0 || numAttrs > numBatches || attrsIndexes[0] != 0) return ACL_ERROR_INVALID_PARAM;
+    if (numAttrs == 0 || numAttrs > numBatches || attrsIndexes[0] != 0)
+        return ACL_ERROR_INVALID_PARAM;
     for (size_t a = 0; a < numAttrs; a++) {
         if (a > 0 && attrsIndexes[a] <= attrsIndexes[a - 1]) return ACL_ERROR_INVALID_PARAM;
         for (size_t r = 0; r < sizeof attrs[a].rsv; r++)
@@ -140,6 +186,8 @@ __attribute__((unused)) static aclError batch(void **dsts, size_t *destMaxs, voi
             if (failIndex) *failIndex = k;
             return ACL_ERROR_INVALID_PARAM;
         }
+    aclError injected = injected_failure();
+    if (injected != ACL_SUCCESS) return injected;
     pthread_mutex_lock(&g_lock);
     (*counter)++;
     g_total_calls++;

@@ -13,8 +13,9 @@ import importlib.machinery
 import itertools
 import threading
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass

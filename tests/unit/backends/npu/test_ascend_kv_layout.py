@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ascend_kv import ASCEND_ALIGN, ascend_kv
 
 from kvoffload_hal.hal.regions import describe_kv_tensor, host_regions_for
-
-from ascend_kv import ASCEND_ALIGN, ascend_kv
 
 
 def test_one_dense_region_per_separate_k_and_v_tensor():

@@ -1,4 +1,4 @@
-"""The ctypes ACL bindings against the fake libascendcl: ABI as the C side sees it, paths, chunking."""
+"""The ctypes ACL bindings against the fake libascendcl: the ABI the C side sees, paths, chunks."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import struct
 
 import numpy as np
 import pytest
+from fake_acl import FakeAcl
 
 from kvoffload_hal.backends.npu._acl import (
     ACL_LIBRARY_ENV,
@@ -18,8 +19,6 @@ from kvoffload_hal.backends.npu._acl import (
     AclRuntime,
     load_acl_library,
 )
-
-from fake_acl import FakeAcl
 
 
 def _buffers(n: int, size: int, seed: int = 0):
@@ -97,6 +96,22 @@ def test_fail_index_is_reported_with_chunk_offset(fake_libs):
     # The first chunk (4 copies) fails at its copy 2 -> descriptor 2 overall.
     with pytest.raises(AclError, match=r"failIndex 2\b"):
         runtime.memcpy_batch(dp, sp, sizes, to_device=True, device_id=0, stream=1)
+
+
+@pytest.mark.parametrize("variant", ["full", "v1", "none"])
+def test_failed_call_drains_the_stream_before_raising(fake_libs, variant):
+    runtime, acl = _runtime(fake_libs, variant, max_batch_descriptors=4)
+    src, dst, sp, dp, sizes = _buffers(10, 16, seed=3)
+    acl.fail_call(2, 507899)  # the second copy call fails; the first is already enqueued
+    with pytest.raises(AclError, match="aclError 507899"):
+        runtime.memcpy_batch(dp, sp, sizes, to_device=True, device_id=0, stream=0x77)
+    assert (acl.sync_calls(), acl.sync_after_calls(), acl.last_sync_stream()) == (1, 1, 0x77)
+    done = 1 if variant == "none" else 4  # copies made by the first call
+    assert all((d == s).all() for d, s in zip(dst[:done], src[:done]))
+    assert not any(d.any() for d in dst[done:])
+    acl.fail_call(0, 0)
+    runtime.memcpy_batch(dp, sp, sizes, to_device=True, device_id=0, stream=0x77)
+    assert acl.sync_calls() == 1  # a successful job does not wait
 
 
 def test_bad_pointer_is_reported_by_index_or_chunk(fake_libs):

@@ -9,22 +9,25 @@ import threading
 import numpy as np
 import pytest
 import torch
+from ascend_kv import NUM_HOST_BLOCKS, AscendKv, bind_rig
+from fake_torch_npu import FakeEvent
 
 from kvoffload_hal.backends.npu import NpuCopyBackend
 from kvoffload_hal.backends.npu import backend as npu_backend
 from kvoffload_hal.backends.npu._acl import ACL_LIBRARY_ENV, BATCH_V1, BATCH_V2, PER_COPY
+from kvoffload_hal.hal import plumbing
 from kvoffload_hal.hal.backend import Direction, TransferJob
+from support.polling import collect_results
 
-from ascend_kv import NUM_HOST_BLOCKS, AscendKv, bind_host, host_block, wait_results
-from fake_torch_npu import FakeEvent
 
 @pytest.mark.parametrize(("variant", "path", "max_desc"), [
-    ("full", BATCH_V2, 8192), ("v1", BATCH_V1, 8192), ("none", PER_COPY, 8192), ("v2", BATCH_V2, 3),
+    ("full", BATCH_V2, 8192), ("v1", BATCH_V1, 8192), ("none", PER_COPY, 8192),
+    ("v2", BATCH_V2, 3),
 ])
 def test_random_round_trips_byte_for_byte(npu_env, kv: AscendKv, variant, path, max_desc):
     backend = npu_env.backend(variant, max_batch_descriptors=max_desc)
     assert backend.copy_path == path
-    host, host_regions = bind_host(backend, kv, NUM_HOST_BLOCKS)
+    rig = bind_rig(backend, kv)
     rng = np.random.default_rng(1234)
     job_id = 0
     for _ in range(4):
@@ -36,27 +39,25 @@ def test_random_round_trips_byte_for_byte(npu_env, kv: AscendKv, variant, path, 
         expected = {(i, int(d)): kv.block(i, int(s)) for i in range(len(kv.tensors))
                     for s, d in zip(src, dst)}
         backend.submit(TransferJob(job_id, Direction.STORE, src, dst, tag=("store", job_id)))
-        [result] = wait_results(backend, 1)
+        [result] = collect_results(backend.poll, 1)
         assert result.ok and result.tag == ("store", job_id)
-        assert result.num_bytes == k * sum(r.block_bytes for r in host_regions)
+        assert result.num_bytes == k * sum(r.block_bytes for r in rig.host_regions)
         for (i, d), data in expected.items():
-            assert host_block(host, host_regions[i], d) == data
+            assert rig.host_block(i, d).numpy().tobytes() == data
 
         # Load the same host blocks back into other device blocks.
         load_dst = rng.choice(kv.num_blocks, k, replace=False)
         backend.submit(TransferJob(job_id, Direction.LOAD, dst, load_dst))
         [result] = backend.flush()
         assert result.ok and result.direction is Direction.LOAD
-        for i in range(len(kv.tensors)):
-            for s, d in zip(dst, load_dst):
-                assert kv.block(i, int(d)) == host_block(host, host_regions[i], int(s))
+        rig.assert_loaded(dst, load_dst)
         job_id += 1
     assert backend.num_pending == 0
 
 
 def test_every_job_waits_on_a_compute_event_before_its_batch(npu_env, kv):
     backend = npu_env.backend("full")
-    bind_host(backend, kv, NUM_HOST_BLOCKS)
+    bind_rig(backend, kv)
     store_stream, load_stream = backend._streams[Direction.STORE], backend._streams[Direction.LOAD]
     assert store_stream.npu_stream != load_stream.npu_stream
     backend.submit(TransferJob(0, Direction.LOAD, [0, 1], [3, 4]))
@@ -81,7 +82,7 @@ def test_every_job_waits_on_a_compute_event_before_its_batch(npu_env, kv):
 
 def test_copy_thread_binds_device_and_device_index_reaches_attrs(npu_env, kv):
     backend = npu_env.backend("full", device=torch.device("privateuseone", 1))
-    bind_host(backend, kv, NUM_HOST_BLOCKS)
+    bind_rig(backend, kv)
     backend.submit(TransferJob(0, Direction.STORE, [0], [0]))
     backend.submit(TransferJob(1, Direction.STORE, [1], [1]))
     backend.flush()
@@ -91,7 +92,7 @@ def test_copy_thread_binds_device_and_device_index_reaches_attrs(npu_env, kv):
 
 def test_fail_index_fails_the_job_and_the_next_job_still_runs(npu_env, kv):
     backend = npu_env.backend("failing")
-    host, host_regions = bind_host(backend, kv, NUM_HOST_BLOCKS)
+    rig = bind_rig(backend, kv)
     # Non-consecutive ids: 3 blocks x 4 tensors = 12 descriptors, failing at 2.
     backend.submit(TransferJob(0, Direction.LOAD, [0, 2, 4], [1, 3, 5], tag="req-1"))
     [failed] = backend.flush()
@@ -103,21 +104,22 @@ def test_fail_index_fails_the_job_and_the_next_job_still_runs(npu_env, kv):
     npu_env.monkeypatch.setattr(backend._acl, "max_batch_descriptors", 2)
     backend.submit(TransferJob(2, Direction.STORE, [7], [8]))  # chunks of 2 never reach index 2
     [third] = backend.flush()
-    assert third.ok and host_block(host, host_regions[0], 8) == kv.block(0, 7)
+    assert third.ok
+    rig.assert_stored([7], [8])
 
 
 def test_runtime_error_on_query_fails_the_job(npu_env, kv):
     backend = npu_env.backend("full")
-    bind_host(backend, kv, NUM_HOST_BLOCKS)
+    bind_rig(backend, kv)
     npu_env.npu.fail_query = True
     backend.submit(TransferJob(0, Direction.STORE, [0], [0], tag="t"))
-    [result] = wait_results(backend, 1)
+    [result] = collect_results(backend.poll, 1)
     assert not result.ok and "507011" in result.error and result.tag == "t"
 
 
 def test_elapsed_time_comes_from_npu_events(npu_env, kv, monkeypatch):
     backend = npu_env.backend("full")
-    bind_host(backend, kv, NUM_HOST_BLOCKS)
+    bind_rig(backend, kv)
     backend.submit(TransferJob(0, Direction.STORE, [0], [0]))
     [result] = backend.flush()
     assert result.seconds == pytest.approx(2.5e-3)
@@ -134,10 +136,38 @@ def test_elapsed_time_comes_from_npu_events(npu_env, kv, monkeypatch):
 def test_max_descriptors_from_environment(npu_env, kv, monkeypatch):
     monkeypatch.setenv(npu_backend.MAX_DESCRIPTORS_ENV, "2")
     backend = npu_env.backend("full")
-    bind_host(backend, kv, NUM_HOST_BLOCKS)
+    bind_rig(backend, kv)
     backend.submit(TransferJob(0, Direction.STORE, [0, 2], [0, 2]))  # 2 blocks x 4 tensors
     backend.flush()
     assert npu_env.acl.v2_calls() == 4 and npu_env.acl.max_num_batches() == 2
+
+
+@pytest.mark.parametrize("raw", ["many", "1.5", "0", "-3"])
+def test_bad_max_descriptors_env_var_is_named(npu_env, monkeypatch, raw):
+    monkeypatch.setenv(npu_backend.MAX_DESCRIPTORS_ENV, raw)
+    with pytest.raises(ValueError) as info:
+        npu_env.backend("full")
+    message = str(info.value)
+    assert message.startswith(f"KVOFFLOAD_HAL_NPU_MAX_BATCH_DESCRIPTORS={raw!r}")
+    assert "an integer >= 1" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("variant", ["full", "v1", "none"])
+def test_failed_call_waits_for_the_calls_already_enqueued(npu_env, kv, variant):
+    backend = npu_env.backend(variant, max_batch_descriptors=4)
+    rig = bind_rig(backend, kv)
+    # 3 separate blocks x 4 tensors = 12 descriptors: 3 batch calls of 4 (12 per-copy calls).
+    npu_env.acl.fail_call(2, 507899)  # the second ACL copy call fails
+    backend.submit(TransferJob(0, Direction.STORE, [0, 2, 4], [1, 3, 5], tag="t"))
+    [failed] = backend.flush()
+    assert not failed.ok and failed.tag == "t" and "aclError 507899" in failed.error
+    # The copy stream was synchronized after the first call, before the job was reported.
+    acl = npu_env.acl
+    assert (acl.sync_calls(), acl.sync_after_calls()) == (1, 1)
+    assert acl.last_sync_stream() == backend._streams[Direction.STORE].npu_stream
+    backend.submit(TransferJob(1, Direction.STORE, [6], [7]))  # the backend keeps working
+    assert backend.flush()[0].ok and acl.sync_calls() == 1  # no wait after a success
+    rig.assert_stored([6], [7])
 
 
 def test_host_memory_comes_from_acl_malloc_host(npu_env):
@@ -159,17 +189,17 @@ def test_host_memory_comes_from_acl_malloc_host(npu_env):
 def test_shutdown_is_idempotent_and_keeps_host_memory(npu_env, kv):
     backend = npu_env.backend("full")
     before = npu_env.acl.live_host_allocs()
-    host, _ = bind_host(backend, kv, NUM_HOST_BLOCKS)
+    rig = bind_rig(backend, kv)
     backend.shutdown()
     backend.shutdown()
     assert backend._streams == {}
     assert npu_env.acl.live_host_allocs() == before + 1  # the caller frees it, after shutdown
-    backend.free_host(host)
+    backend.free_host(rig.host)
     assert npu_env.acl.live_host_allocs() == before
 
 
-def test_copy_path_is_logged_once(npu_env, caplog):
-    npu_backend._log_copy_path_once.cache_clear()
+def test_copy_path_is_logged_once(npu_env, caplog, monkeypatch):
+    monkeypatch.setattr(plumbing, "_logged_messages", set())
     logging.getLogger(npu_backend.__name__).propagate = True
     with caplog.at_level(logging.INFO, logger=npu_backend.__name__):
         npu_env.backend("none")
@@ -191,7 +221,8 @@ class TestUnavailableReason:
     def test_spec_less_torch_npu_module(self, npu_env, monkeypatch):
         import types
 
-        monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))  # __spec__ None
+        # A module whose __spec__ is None.
+        monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
         assert NpuCopyBackend.unavailable_reason() == "torch_npu is not importable"
 
     def test_no_library(self, npu_env, monkeypatch):

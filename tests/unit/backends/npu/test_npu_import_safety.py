@@ -1,4 +1,4 @@
-"""Without torch_npu or CANN: the package imports, and selecting ``npu`` fails with one clear line."""
+"""Without torch_npu or CANN: the package imports; selecting ``npu`` fails with one clear line."""
 
 from __future__ import annotations
 

@@ -1,0 +1,95 @@
+"""Plumbing every vendor backend needs, written once.
+
+``enqueue_in_chunks(count, max_per_chunk, enqueue, wait_for_enqueued)``
+    Split ``count`` copy descriptors into chunks of at most ``max_per_chunk``
+    and call ``enqueue(start, end)`` for each, in order. If any chunk raises,
+    ``wait_for_enqueued()`` runs before the error propagates: chunks already
+    enqueued may still be writing the destination, and a job reported failed
+    has its blocks reused at once, so no copy of it may still be running.
+
+``env_int(name, default, minimum)``
+    An integer setting from the environment, rejected with one line naming the
+    variable, its value and what was expected.
+
+``log_once(logger, level, msg, *args)``
+    Log a message the first time its formatted text is seen in this process
+    (per logger and level), e.g. the copy path a backend chose: every worker
+    constructs a backend, and the line says the same thing each time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+from kvoffload_hal.logger import init_logger
+
+__all__ = ["chunk_bounds", "enqueue_in_chunks", "env_int", "log_once"]
+
+logger = init_logger(__name__)
+
+_logged_messages: set[tuple[str, int, str]] = set()
+_logged_lock = threading.Lock()
+
+
+def chunk_bounds(count: int, max_per_chunk: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of consecutive chunks of at most ``max_per_chunk``, covering
+    ``[0, count)`` in order."""
+    if max_per_chunk <= 0:
+        raise ValueError(f"max_per_chunk must be positive, got {max_per_chunk}")
+    for start in range(0, count, max_per_chunk):
+        yield start, min(start + max_per_chunk, count)
+
+
+def enqueue_in_chunks(count: int, max_per_chunk: int, enqueue: Callable[[int, int], int],
+                      wait_for_enqueued: Callable[[], object]) -> int:
+    """Run ``enqueue(start, end)`` per chunk; return the sum of what it returns (runtime calls).
+
+    On any exception from a chunk, ``wait_for_enqueued()`` is called (e.g. a
+    stream synchronize) and the exception is re-raised. An error from the wait
+    itself is logged and dropped: the copy error is the one to report.
+    """
+    calls = 0
+    try:
+        for start, end in chunk_bounds(count, max_per_chunk):
+            calls += enqueue(start, end)
+    except BaseException:
+        try:
+            wait_for_enqueued()
+        except Exception as e:  # noqa: BLE001 - the original error matters more
+            logger.warning("waiting for the copies already enqueued failed too: %s: %s",
+                           type(e).__name__, e)
+        raise
+    return calls
+
+
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    """``int($name)``, or ``default`` when unset or empty; ``ValueError`` naming ``name`` else."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        raise ValueError(f"{name}={raw!r} is invalid: expected {expected}")
+    return value
+
+
+def log_once(logger: logging.Logger, level: int, msg: str, *args: object) -> bool:
+    """Log ``msg % args`` unless ``logger`` already logged that text at ``level``.
+
+    Returns True when it logged. The key is the formatted text, so the same
+    format with other arguments (another copy path, another limit) logs again.
+    """
+    key = (logger.name, level, msg % args if args else msg)
+    with _logged_lock:
+        if key in _logged_messages:
+            return False
+        _logged_messages.add(key)
+    logger.log(level, msg, *args, stacklevel=2)
+    return True
