@@ -128,10 +128,10 @@ class CpuTier:
         self.pool.free_blocks([b for b in blocks if not b.is_null])
 
     def pin_hit(self, hit: Hit) -> None:
-        self.pin(b for group in hit for b in group)
+        self.pool.touch([b for group in hit for b in group if not b.is_null])
 
     def unpin_hit(self, hit: Hit) -> None:
-        self.unpin(b for group in hit for b in group)
+        self.pool.free_blocks([b for group in hit for b in group if not b.is_null])
 
     def unpin_ids(self, block_ids: Iterable[int]) -> None:
         unpin_ids(self.pool, block_ids)

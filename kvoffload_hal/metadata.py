@@ -4,7 +4,9 @@ Block ids are flat lists over all KV-cache groups: groups share one block id
 space per pool, so the worker needs no request or group knowledge.
 
 Scheduler -> worker, once per engine step: :class:`OffloadMetadata`, holding at
-most one job of each kind, each ``None`` when the step has none. Worker ->
+most one job of each kind, each ``None`` when the step has none. Job specs are
+immutable ``NamedTuple``s: built every step, so cheap to make, and safe to
+share (the worker launches them, never edits them). Worker ->
 scheduler: :class:`OffloadWorkerMetadata`, the jobs this rank finished; vLLM
 sums it over ranks with :meth:`OffloadWorkerMetadata.aggregate`.
 """
@@ -22,8 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvoffload_hal.tiers.base import BlockKey, TierItem
 
 
-@dataclass(frozen=True)
-class LoadSpec:
+class LoadSpec(NamedTuple):
     """CPU->device copies for the requests of ``req_ids`` (their blocks, flattened).
 
     The spec travels with the copy job as its tag, so a completion observed
@@ -40,8 +41,7 @@ class LoadSpec:
     sync: bool = False
 
 
-@dataclass(frozen=True)
-class StoreSpec:
+class StoreSpec(NamedTuple):
     """Device->CPU copies: ``gpu_blocks[k]`` into ``cpu_blocks[k]``."""
 
     job_id: int
@@ -49,27 +49,22 @@ class StoreSpec:
     cpu_blocks: list[int]
 
 
-@dataclass(frozen=True)
-class TierJobSpec:
+class TierJobSpec(NamedTuple):
     """One secondary-tier job: ``(key, CPU block id)`` pairs to write or to read."""
 
     job_id: int
     items: list[TierItem]
 
 
-@dataclass(frozen=True)
-class TierJobs:
+class TierJobs(NamedTuple):
     """A step's secondary-tier work: write-through spills, promotions, keys to delete."""
 
     spill: TierJobSpec | None = None
     promote: TierJobSpec | None = None
     evictions: tuple[BlockKey, ...] = ()
 
-    def __bool__(self) -> bool:
-        return bool(self.spill or self.promote or self.evictions)
 
-
-@dataclass(frozen=True)
+@dataclass
 class OffloadMetadata(KVConnectorMetadata):
     """Scheduler -> worker, once per engine step: at most one load and one store job."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core import kv_cache_utils
@@ -72,8 +72,7 @@ class _Load:
     job_id: int | None = None  # None until sent to the workers
 
 
-@dataclass
-class _PendingHit:
+class _PendingHit(NamedTuple):
     """A CPU hit found by a lookup, pinned until the request's allocation."""
 
     blocks: Hit
@@ -148,8 +147,10 @@ class OffloadScheduler:
         if start >= len(request.block_hashes) or max_hit_tokens <= 0:
             return 0, False
         hit, hit_tokens = self.cpu.find_hit(request.block_hashes, start, max_hit_tokens)
-        if self.cascade.lookup(request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
-                               (num_computed_tokens + max_hit_tokens) // self.block_size):
+        # Without a disk tier a CPU miss is final (most waiting requests, most steps).
+        if self.caps.disk_tier and self.cascade.lookup(
+                request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
+                (num_computed_tokens + max_hit_tokens) // self.block_size):
             return None, False  # a promotion into the CPU tier is in flight: ask again later
         if hit_tokens <= 0:
             return 0, False
