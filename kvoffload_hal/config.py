@@ -17,8 +17,9 @@ key                    default     meaning
 ``load_mode``          ``auto``    ``sync``: a CPU hit is loaded before the forward
                                    pass of the step that schedules the request;
                                    ``async``: the request waits for its load over
-                                   one or more steps; ``auto``: ``sync`` on vLLM's
-                                   CPU platform with one KV cache group, else
+                                   one or more steps; ``auto``: ``sync`` where the
+                                   copy backend's compute is synchronous (vLLM's
+                                   CPU platform) with one KV cache group, else
                                    ``async``
 =====================  ==========  =================================================
 
