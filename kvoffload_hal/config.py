@@ -149,7 +149,7 @@ def _check_writable_dir(path: str) -> None:
     import tempfile
 
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)  # created private: KV reveals prompts
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:

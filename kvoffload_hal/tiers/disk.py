@@ -38,6 +38,9 @@ _HEADER = struct.Struct("<8sIIQ")  # magic, version, crc32, payload bytes
 # 4 KiB covers every common device.
 DIRECT_IO_ALIGN = 4096
 IO_THREADS = 2
+# KV reveals the prompts it was computed from: only the serving user may read it.
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 
 
 class DiskTier(SecondaryTier):
@@ -51,7 +54,7 @@ class DiskTier(SecondaryTier):
         self.payload_bytes = sum(v.shape[1] for v in self.views)
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         shutil.rmtree(self.root, ignore_errors=True)  # start empty: see the module docstring
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self.root, mode=DIR_MODE, exist_ok=True)
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvoffload-disk")
         self._jobs: dict[int, list[Future]] = {}
 
@@ -90,7 +93,7 @@ class DiskTier(SecondaryTier):
             payload = b"".join(v[cpu_block].numpy().tobytes() for v in self.views)
             header = _HEADER.pack(MAGIC, FORMAT_VERSION, zlib.crc32(payload), len(payload))
             path = self._path(key)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
             self._write_file(tmp, header + payload)
             os.replace(tmp, path)
@@ -129,7 +132,8 @@ class DiskTier(SecondaryTier):
 
     def _write_file(self, path: str, data: bytes) -> None:
         if not self.o_direct:
-            with open(path, "wb") as f:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            with open(fd, "wb") as f:
                 f.write(data)
             return
         # O_DIRECT bypasses the page cache: write from a page-aligned buffer,
@@ -137,7 +141,8 @@ class DiskTier(SecondaryTier):
         size = -(-len(data) // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN
         with mmap.mmap(-1, size) as buf:
             buf[:len(data)] = data
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT,
+                         FILE_MODE)
             try:
                 os.write(fd, buf)
             finally:

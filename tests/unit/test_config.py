@@ -2,6 +2,7 @@
 unknown keys."""
 
 import logging
+import os
 
 import pytest
 
@@ -62,3 +63,9 @@ def test_capacity_below_one_block_is_an_error():
     assert num_cpu_blocks(cfg, 3 * per_block + 1) == 3
     with pytest.raises(ValueError, match=rf"less than one KV block \({per_block} bytes\)"):
         num_cpu_blocks(cfg, per_block - 1)
+
+
+def test_a_missing_disk_path_is_created_private(tmp_path):
+    path = tmp_path / "kv"
+    OffloadConfig.from_extra_config({"disk_path": str(path), "disk_bytes_to_use": 1 << 20})
+    assert os.stat(path).st_mode & 0o777 == 0o700

@@ -102,3 +102,12 @@ def test_unwritable_disk_path_is_a_start_up_error(tmp_path):
     with pytest.raises(ValueError, match=r"disk_path.*expected a writable directory"):
         OffloadConfig.from_extra_config({"disk_path": str(blocker / "sub"),
                                          "disk_bytes_to_use": 1 << 20})
+
+
+def test_files_and_directories_are_private_to_the_serving_user(tier):
+    tier.submit_store(0, [("cc03", 1)])
+    assert _wait(tier, 1)[0].ok
+    path = tier._path("cc03")
+    assert os.stat(path).st_mode & 0o777 == 0o600  # KV reveals the prompts
+    for directory in (os.path.dirname(path), tier.root):
+        assert os.stat(directory).st_mode & 0o777 == 0o700
