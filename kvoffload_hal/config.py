@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload_hal.logger import init_logger
+from kvoffload_hal.tiers.dirs import DIR_MODE, check_private_dir
 
 logger = init_logger(__name__)
 
@@ -149,7 +150,8 @@ def _check_writable_dir(path: str) -> None:
     import tempfile
 
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)  # created private: KV reveals prompts
+        os.makedirs(path, mode=DIR_MODE, exist_ok=True)  # created private: KV reveals prompts
+        check_private_dir(path, "kv_connector_extra_config['disk_path']")
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:

@@ -7,8 +7,10 @@ file first and are renamed into place, so a reader sees a whole file or none.
 A read that finds no file, a short file, a wrong header or a wrong checksum
 fails that key: the scheduler drops it and vLLM recomputes the block.
 
-Restarts: the tier starts empty. Its rank directory is wiped at start-up, since
-the index of what it holds lives in the scheduler's memory only.
+Restarts: the tier starts empty. Its rank directory is emptied at start-up, since
+the index of what it holds lives in the scheduler's memory only; only a directory
+the tier created is emptied, and directories and files are private to the serving
+user (see :mod:`kvoffload_hal.tiers.dirs`).
 
 IO runs on a small thread pool (file IO releases the GIL), so the engine never
 waits on the disk; results are polled like copy jobs.
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import shutil
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
@@ -28,6 +29,7 @@ import torch
 
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.base import BlockKey, SecondaryTier, TierItem, TierJobResult
+from kvoffload_hal.tiers.dirs import DIR_MODE, FILE_MODE, claim_tier_dir
 
 logger = init_logger(__name__)
 
@@ -38,9 +40,6 @@ _HEADER = struct.Struct("<8sIIQ")  # magic, version, crc32, payload bytes
 # 4 KiB covers every common device.
 DIRECT_IO_ALIGN = 4096
 IO_THREADS = 2
-# KV reveals the prompts it was computed from: only the serving user may read it.
-DIR_MODE = 0o700
-FILE_MODE = 0o600
 
 
 class DiskTier(SecondaryTier):
@@ -53,8 +52,7 @@ class DiskTier(SecondaryTier):
         self.views = list(host_views)
         self.payload_bytes = sum(v.shape[1] for v in self.views)
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
-        shutil.rmtree(self.root, ignore_errors=True)  # start empty: see the module docstring
-        os.makedirs(self.root, mode=DIR_MODE, exist_ok=True)
+        claim_tier_dir(self.root)  # start empty: see the module docstring and tiers/dirs.py
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvoffload-disk")
         self._jobs: dict[int, list[Future]] = {}
 
