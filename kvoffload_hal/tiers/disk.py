@@ -18,6 +18,7 @@ waits on the disk; results are polled like copy jobs.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import struct
@@ -27,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.base import BlockKey, SecondaryTier, TierItem, TierJobResult
 from kvoffload_hal.tiers.dirs import DIR_MODE, FILE_MODE, claim_tier_dir
@@ -96,16 +98,18 @@ class DiskTier(SecondaryTier):
             self._write_file(tmp, header + payload)
             os.replace(tmp, path)
             return None
-        except OSError as e:
-            logger.warning("disk tier: writing block %s failed: %s", key, e)
-            return key
+        except Exception as e:  # noqa: BLE001 - any fault fails the key, never the step
+            return _failed(key, "writing", e)
 
     def _read(self, key: BlockKey, cpu_block: int) -> BlockKey | None:
+        """Returns ``key`` if it failed, None when the block is in place (run on the IO pool)."""
         try:
-            data = self._read_file(self._path(key))
-        except OSError as e:
-            logger.warning("disk tier: reading block %s failed: %s", key, e)
-            return key
+            return self._read_into(key, cpu_block)
+        except Exception as e:  # noqa: BLE001 - any fault fails the key, never the step
+            return _failed(key, "reading", e)
+
+    def _read_into(self, key: BlockKey, cpu_block: int) -> BlockKey | None:
+        data = self._read_file(self._path(key))
         if len(data) < _HEADER.size:
             return self._corrupt(key, "shorter than its header")
         magic, version, crc, length = _HEADER.unpack_from(data)
@@ -160,6 +164,14 @@ class DiskTier(SecondaryTier):
             finally:
                 os.close(fd)
             return bytearray(buf[:n])
+
+
+def _failed(key: BlockKey, doing: str, error: Exception) -> BlockKey:
+    """A key whose IO failed: recomputed by vLLM. Logged once per kind of failure."""
+    log_once(logger, logging.WARNING, "disk tier: %s a block failed with %s; such blocks "
+             "are recomputed", doing, type(error).__name__)
+    logger.debug("disk tier: %s block %s failed: %r", doing, key, error)
+    return key
 
 
 def _unlink(path: str) -> None:

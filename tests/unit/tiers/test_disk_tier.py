@@ -111,3 +111,19 @@ def test_files_and_directories_are_private_to_the_serving_user(tier):
     assert os.stat(path).st_mode & 0o777 == 0o600  # KV reveals the prompts
     for directory in (os.path.dirname(path), tier.root):
         assert os.stat(directory).st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("error", [MemoryError, ValueError, OSError])
+def test_any_fault_in_a_tier_job_fails_its_key_not_the_step(tier, monkeypatch, error):
+    tier.submit_store(0, [("dd04", 1)])
+    assert _wait(tier, 1)[0].ok
+
+    def broken(*args):
+        raise error("injected")
+
+    monkeypatch.setattr(tier, "_read_file", broken)
+    monkeypatch.setattr(tier, "_write_file", broken)
+    tier.submit_load(1, [("dd04", 2)])
+    tier.submit_store(2, [("ee05", 3)])
+    results = _wait(tier, 2)  # poll() raised before, failing the engine step
+    assert results[1].failed_keys == ("dd04",) and results[2].failed_keys == ("ee05",)
