@@ -95,13 +95,12 @@ class OffloadConfig:
                              f"one of {', '.join(LOAD_MODES)}")
         disk_path = extra.get("disk_path")
         if disk_path is None:
-            if "disk_bytes_to_use" in extra:
-                raise ValueError("kv_connector_extra_config['disk_bytes_to_use'] is set but "
-                                 "'disk_path' is not: expected both for a disk tier")
+            for key in ("disk_bytes_to_use", "disk_o_direct"):
+                if extra.get(key) not in (None, False):
+                    raise ValueError(f"kv_connector_extra_config['{key}'] is set but "
+                                     "'disk_path' is not: expected both for a disk tier")
             return cls(cpu_bytes, lazy, disk_o_direct=o_direct, load_mode=load_mode)
-        if not isinstance(disk_path, str) or not disk_path:
-            raise ValueError(f"kv_connector_extra_config['disk_path']={disk_path!r}: "
-                             "expected a directory path")
+        disk_path = _absolute_dir(disk_path)
         if "disk_bytes_to_use" not in extra:
             raise ValueError("kv_connector_extra_config['disk_path'] is set but "
                              "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
@@ -144,6 +143,19 @@ def _num_blocks(key: str, kv_cache_config, bytes_per_rank: int) -> int:
             f"than one KV block ({per_block} bytes); expected at least {per_block} bytes per rank"
         )
     return bytes_per_rank // per_block
+
+
+def _absolute_dir(value: Any) -> str:
+    """``disk_path`` with ``~`` expanded; a relative path would depend on each
+    process's working directory (scheduler and workers may differ), so it is refused."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"kv_connector_extra_config['disk_path']={value!r}: "
+                         "expected a directory path")
+    path = os.path.expanduser(value)
+    if not os.path.isabs(path):
+        raise ValueError(f"kv_connector_extra_config['disk_path']={value!r}: expected an "
+                         "absolute path (or one starting with ~)")
+    return path
 
 
 def _check_writable_dir(path: str) -> None:

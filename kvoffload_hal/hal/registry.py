@@ -78,7 +78,7 @@ def _cuda_visible() -> bool:
 def resolve_backend_name(value: str | None = None) -> str:
     """The concrete backend name for ``value`` (default: the environment variable)."""
     raw = value if value is not None else os.environ.get(ENV_VAR, AUTO)
-    name = raw.strip().lower()
+    name = raw.strip().lower() or AUTO  # set but empty: the default
     if name == AUTO:
         if _npu_visible():
             return "npu"

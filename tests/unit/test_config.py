@@ -69,3 +69,23 @@ def test_a_missing_disk_path_is_created_private(tmp_path):
     path = tmp_path / "kv"
     OffloadConfig.from_extra_config({"disk_path": str(path), "disk_bytes_to_use": 1 << 20})
     assert os.stat(path).st_mode & 0o777 == 0o700
+
+
+def test_disk_keys_without_disk_path_are_errors():
+    for key, value in (("disk_bytes_to_use", 1 << 20), ("disk_o_direct", True)):
+        with pytest.raises(ValueError) as e:
+            OffloadConfig.from_extra_config({key: value})
+        assert str(e.value) == (f"kv_connector_extra_config['{key}'] is set but 'disk_path' "
+                                "is not: expected both for a disk tier")
+    assert not OffloadConfig.from_extra_config({"disk_o_direct": False}).disk_enabled
+
+
+def test_disk_path_expands_home_and_refuses_relative_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = OffloadConfig.from_extra_config({"disk_path": "~/kv", "disk_bytes_to_use": 1 << 20})
+    assert config.disk_path == str(tmp_path / "kv") and (tmp_path / "kv").is_dir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        OffloadConfig.from_extra_config({"disk_path": "kv", "disk_bytes_to_use": 1 << 20})
+    assert str(e.value) == ("kv_connector_extra_config['disk_path']='kv': expected an absolute "
+                            "path (or one starting with ~)")

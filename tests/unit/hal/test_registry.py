@@ -183,3 +183,12 @@ def test_import_loads_no_vendor_runtime():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] [] False"
+
+
+def test_an_empty_backend_variable_means_auto(monkeypatch):
+    from kvoffload_hal.hal.registry import ENV_VAR, resolve_backend_name
+
+    monkeypatch.setenv(ENV_VAR, "")
+    assert resolve_backend_name() == resolve_backend_name("auto")
+    monkeypatch.setenv(ENV_VAR, "  ")
+    assert resolve_backend_name() == resolve_backend_name("auto")
