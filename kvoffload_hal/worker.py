@@ -147,7 +147,7 @@ class OffloadWorker:
         if self.backend is None:
             return set(), set(), set()
         launched = self._launch_pending()
-        if launched and self.backend.synchronous_compute:
+        if launched and self.caps.synchronous_compute:
             self._collect(self.backend.flush())  # nothing to overlap: report this step
         else:
             self._collect(self.backend.poll())

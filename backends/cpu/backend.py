@@ -19,6 +19,7 @@ that is logged once.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import time
 from collections import deque
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from kvoffload_hal.hal.backend import Direction
+from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.hal.threaded import ThreadedCopyBackend
 from kvoffload_hal.logger import init_logger
@@ -57,8 +59,8 @@ class CpuCopyBackend(ThreadedCopyBackend):
             raise ValueError(f"num_copy_threads must be 1 or 2, got {num_copy_threads}")
         self.num_copy_threads = num_copy_threads
         if _hostcopy is None:
-            logger.warning("kvoffload_hal: the _hostcopy extension is not built; "
-                           "the CPU backend copies with a slower Python loop")
+            log_once(logger, logging.WARNING, "kvoffload_hal: the _hostcopy extension is not "
+                     "built; the CPU backend copies with a slower Python loop")
 
     def allocate_host(self, num_bytes: int) -> torch.Tensor:
         if num_bytes <= 0:

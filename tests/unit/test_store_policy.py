@@ -171,5 +171,10 @@ def test_picker_keeps_one_block_per_hash_and_stops_when_full():
     for block in (a, twin, pool.null_block, b):
         picker.offer(block)
     assert picker.blocks == [a, b] and picker.full
-    with pytest.raises(AssertionError):
-        EagerPolicy([BS], [0])._offer(None, ([],), 0, picker)  # not bound
+
+
+def test_eager_needs_the_device_pool_bound():
+    policy = EagerPolicy([BS], [0])
+    policy.on_allocated(_request("r", computed=BS), 1)
+    with pytest.raises(AssertionError, match="bind"):
+        policy.select(_scheduled("r", ([1],)), BlockPicker(100, _everything))
