@@ -95,6 +95,7 @@ class NullTier(SecondaryTier):
 
 @dataclass
 class _Entry:
+    generation: int  # the index's generation when the entry was reserved
     ready: bool = False  # written on every rank
     readers: int = 0  # promotions in flight: not evictable
 
@@ -107,9 +108,14 @@ class TierIndex:
     entries) and marks keys as being written; ``commit`` marks them readable;
     ``pin``/``unpin`` protect keys being promoted. Evicted keys accumulate in
     :meth:`take_evicted` for the workers to delete.
+
+    :meth:`reset` starts a new generation: an entry from an older one is never
+    readable again, and one still being read is dropped once its last reader
+    is done, so nothing written before a reset is served after it.
     """
 
     capacity_blocks: int
+    generation: int = 0
     _entries: OrderedDict[BlockKey, _Entry] = field(default_factory=OrderedDict)
     _evicted: list[BlockKey] = field(default_factory=list)
 
@@ -121,7 +127,7 @@ class TierIndex:
 
     def is_ready(self, key: BlockKey) -> bool:
         entry = self._entries.get(key)
-        return entry is not None and entry.ready
+        return entry is not None and entry.ready and entry.generation == self.generation
 
     def reserve(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Claim space for new keys; returns those accepted (space may run out)."""
@@ -131,7 +137,7 @@ class TierIndex:
                 continue
             if len(self._entries) >= self.capacity_blocks and not self._evict_one():
                 break
-            self._entries[key] = _Entry()
+            self._entries[key] = _Entry(self.generation)
             accepted.append(key)
         return accepted
 
@@ -164,10 +170,15 @@ class TierIndex:
     def unpin(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
             entry = self._entries.get(key)
-            if entry is not None:
-                entry.readers -= 1
+            if entry is None:
+                continue
+            entry.readers -= 1
+            if not entry.readers and entry.generation != self.generation:
+                self.drop([key])  # from before a reset: its last reader is done
 
-    def evict_all(self) -> None:
+    def reset(self) -> None:
+        """Start a new generation: drop what nobody reads, retire the rest."""
+        self.generation += 1
         for key in [k for k, e in self._entries.items() if e.ready and not e.readers]:
             self.drop([key])
 

@@ -118,12 +118,19 @@ class TierCascade(NullCascade):
         """Start or await a promotion of blocks ``[first_block, end_block)``.
 
         Blocks promoted for this request were pinned until now; the CPU lookup
-        found (and the pin below keeps) the ones still wanted.
+        found the ones still wanted. The hit stays pinned while room is made,
+        so a promotion never evicts the blocks it extends: when the whole run
+        does not fit, what fits is promoted and the rest is recomputed.
         """
-        req_id = request.request_id
         self.cpu.pin_hit(hit)
-        self._release_promoted(req_id)
-        self.cpu.unpin_hit(hit)
+        try:
+            self._release_promoted(request.request_id)
+            return self._promote(request, first_block, end_block)
+        finally:
+            self.cpu.unpin_hit(hit)
+
+    def _promote(self, request: Request, first_block: int, end_block: int) -> bool:
+        req_id = request.request_id
         if req_id in self._promoting:
             return True
         if req_id in self._no_promotion:
@@ -224,7 +231,7 @@ class TierCascade(NullCascade):
                 self.index.drop(job.keys)
             self.cpu.unpin(job.blocks)
         self._queued.clear()
-        self.index.evict_all()
+        self.index.reset()
 
     def has_pending(self) -> bool:
         return bool(self._queued or self._steps)

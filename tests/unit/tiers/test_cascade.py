@@ -81,4 +81,10 @@ def test_reset_abandons_promotions_in_flight(cascade):
     tiers.on_reports({promote.job_id: JobReport(ranks=2)})
     assert cpu.find_hit(req.block_hashes, 0, 10_000)[1] == 0  # nothing from before the reset
     tiers.request_finished(req.request_id)
+    # The entries that promotion read are gone with it: a later request recomputes.
+    again = engine.add("again", list(req.prompt_token_ids))
+    engine.scheduler.waiting.remove(again)
+    assert tiers.lookup(again, (), 0, 3) is False
+    assert sorted(tiers.take_jobs().evictions) == sorted(k for k, _ in promote.items)
+    tiers.request_finished(again.request_id)
     assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()

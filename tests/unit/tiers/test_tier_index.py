@@ -36,12 +36,15 @@ def test_reserve_stops_when_nothing_is_evictable():
     assert len(index) == 2
 
 
-def test_drop_and_evict_all():
+def test_drop_and_reset():
     index = TierIndex(capacity_blocks=8)
     index.reserve(["a", "b", "c"])
     index.commit(["a", "b"])
     index.pin(["b"])
     index.drop(["c"])
-    index.evict_all()  # b is pinned: stays
+    index.reset()  # b is being read: kept until its reader is done, never readable again
     assert "a" not in index and "b" in index and "c" not in index
     assert sorted(index.take_evicted()) == ["a", "c"]
+    assert not index.is_ready("b") and index.ready_run(["b"]) == 0
+    index.unpin(["b"])
+    assert "b" not in index and index.take_evicted() == ["b"]
