@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# How long shutdown waits for copies and tier IO in flight.
+SHUTDOWN_TIMEOUT_S = 10.0
+# Host buffers a copy or tier IO may still use after shutdown gave up waiting:
+# kept referenced until the process exits, never freed under a running copy.
+_BUSY_AT_SHUTDOWN: list[torch.Tensor] = []
+
 
 @dataclass
 class _Unlaunched:
@@ -198,15 +204,29 @@ class OffloadWorker:
         return self.stats.take_step()
 
     def shutdown(self) -> None:
-        self.tier.shutdown()
+        """Stop the tier and the backend; free the host buffer once nothing can use it.
+
+        A copy or a tier IO still running after :data:`SHUTDOWN_TIMEOUT_S` (a hung
+        device or mount) would write into freed memory: the buffer is then kept
+        until the process exits instead, with a warning.
+        """
+        tier_idle = self.tier.shutdown(SHUTDOWN_TIMEOUT_S)
         self.tier = NullTier()
-        if self.backend is None:
+        backend, buffer = self.backend, self.host_buffer
+        self.backend, self.host_buffer = None, None
+        if backend is None:
             return
-        self.backend.shutdown()
-        if self.backend.num_pending == 0 and self.host_buffer is not None:
-            self.backend.free_host(self.host_buffer)
-        self.host_buffer = None
-        self.backend = None
+        backend_idle = backend.shutdown(SHUTDOWN_TIMEOUT_S)
+        if buffer is None:
+            return
+        if tier_idle and backend_idle:
+            backend.free_host(buffer)
+            return
+        logger.warning("HALOffloadConnector: %s still running after %.0f s at shutdown; its "
+                       "host buffer (%.2f GiB) is kept until the process exits",
+                       "a copy" if not backend_idle else "disk IO", SHUTDOWN_TIMEOUT_S,
+                       buffer.numel() / 2**30)
+        _BUSY_AT_SHUTDOWN.append(buffer)
 
     # ------------------------------------------------------------ helpers
     def _collect(self, results: list[JobResult]) -> None:

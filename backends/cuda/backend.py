@@ -210,7 +210,9 @@ class CudaCopyBackend(ThreadedCopyBackend):
             return
         self._set_current()
         for stream in self._streams.values():
-            # Work still queued finishes first; the driver frees the stream after.
+            # cuStreamDestroy returns before queued copies end: wait for them,
+            # since the caller unregisters and frees the host memory next.
+            driver.cuStreamSynchronize(stream)
             driver.cuStreamDestroy_v2(stream)
         self._streams.clear()
         self._release_context_if_idle()

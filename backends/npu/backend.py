@@ -189,8 +189,11 @@ class NpuCopyBackend(ThreadedCopyBackend):
             return observed_at - launched_at
 
     def _stop(self) -> None:
+        # Copies still queued end first: the caller frees the host memory next.
         # Streams are released with their last reference; host memory is the
         # caller's to free (free_host), since tensors may still point at it.
+        for stream in self._streams.values():
+            stream.synchronize()
         self._streams = {}
         if self._host_allocs:
             logger.debug("npu backend stopped with %d host allocation(s) not freed",

@@ -54,7 +54,9 @@ unless stated otherwise):
 ``shutdown(timeout_s)``
     Stop accepting jobs, wait up to ``timeout_s`` for jobs in flight, release
     what the backend owns, and return without hanging even if a copy never
-    completes. Idempotent.
+    completes. Returns True when no copy can touch host or device memory any
+    more (every job ended, device queues drained); False when one may still
+    run, in which case the caller must keep the host buffer alive. Idempotent.
 """
 
 from __future__ import annotations
@@ -171,8 +173,10 @@ class DmaCopyBackend(ABC):
         """Wait for every submitted job, queued or launched; return their results."""
 
     @abstractmethod
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop, wait at most ``timeout_s`` for jobs in flight, release resources."""
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Stop, wait at most ``timeout_s`` for jobs in flight, release resources.
+
+        True when no copy can still touch memory; see the module docstring."""
 
     @property
     @abstractmethod

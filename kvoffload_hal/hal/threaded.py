@@ -212,9 +212,9 @@ class ThreadedCopyBackend(DmaCopyBackend):
         self._num_pending -= len(results)
         return results
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
         if self._closed:
-            return
+            return not self._abandoned.is_set()
         self._closed = True
         if self._thread is not None:
             self._submit_q.put(_STOP)
@@ -225,8 +225,9 @@ class ThreadedCopyBackend(DmaCopyBackend):
                     "%s: copy thread still busy after %.1f s; abandoning %d pending job(s)",
                     type(self).__name__, timeout_s, self._num_pending,
                 )
-                return  # the daemon thread may still use device state: leave it alone
+                return False  # the daemon thread may still use device state: leave it alone
         self._stop()
+        return True
 
     @property
     def num_pending(self) -> int:

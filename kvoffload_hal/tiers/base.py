@@ -26,8 +26,9 @@ Contract of :class:`SecondaryTier` (every method on the engine thread):
     failed.
 ``evict(keys)``
     Forget and delete entries; never called for a key with a job in flight.
-``shutdown()``
-    Stop, waiting briefly for jobs in flight.
+``shutdown(timeout_s)``
+    Stop, waiting at most ``timeout_s`` for jobs in flight. True when no job
+    still runs; False when one may still read or write CPU-tier memory.
 
 To add a tier: implement :class:`SecondaryTier`, and give it a capacity in
 blocks for the scheduler's :class:`TierIndex`.
@@ -71,8 +72,8 @@ class SecondaryTier(ABC):
     @abstractmethod
     def evict(self, keys: Iterable[BlockKey]) -> None: ...
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        return True
 
 
 class NullTier(SecondaryTier):

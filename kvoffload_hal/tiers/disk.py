@@ -25,6 +25,7 @@ import struct
 import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import torch
 
@@ -76,8 +77,17 @@ class DiskTier(SecondaryTier):
         for key in keys:
             self._pool.submit(_unlink, self._path(key))
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        """Cancel queued IO and wait at most ``timeout_s`` for IO in progress: a
+        hung mount must not hang the engine's exit. True when no IO still runs."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        running = [f for fs in self._jobs.values() for f in fs]
+        _, not_done = futures_wait(running, timeout=timeout_s)
+        if not_done:
+            logger.warning("disk tier: %d block IO(s) still running after %.0f s at shutdown",
+                           len(not_done), timeout_s)
+            return False
+        return True
 
     @property
     def num_pending(self) -> int:

@@ -6,6 +6,7 @@ test runs its normal code path.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from kvoffload_hal.backends.cpu import CpuCopyBackend
@@ -24,6 +25,18 @@ class SlowCpuBackend(CpuCopyBackend):
 
     def _launch(self, direction, batch, fence):
         time.sleep(self.delay_s)
+        return super()._launch(direction, batch, fence)
+
+
+class GatedCpuBackend(CpuCopyBackend):
+    """Each copy waits for :attr:`gate` (a copy that outlives shutdown's wait)."""
+
+    name = "gated-cpu"
+    synchronous_compute = False
+    gate = threading.Event()
+
+    def _launch(self, direction, batch, fence):
+        self.gate.wait()
         return super()._launch(direction, batch, fence)
 
 
@@ -58,5 +71,6 @@ class FailingStoresBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
-for _cls in (SlowCpuBackend, CountingCpuBackend, FailingLoadsBackend, FailingStoresBackend):
+for _cls in (SlowCpuBackend, GatedCpuBackend, CountingCpuBackend, FailingLoadsBackend,
+             FailingStoresBackend):
     register_backend(_cls.name, f"{__name__}:{_cls.__name__}")

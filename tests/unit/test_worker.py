@@ -1,5 +1,8 @@
 """OffloadWorker on its public methods: each job launched once, reports, bytes copied."""
 
+import gc
+import weakref
+
 import torch
 
 from kvoffload_hal.metadata import JobReport, LoadSpec, OffloadMetadata, StoreSpec
@@ -50,3 +53,25 @@ def test_a_failed_asynchronous_load_reports_its_blocks(make_engine):
     assert finished == {"r"} and failed == set()
     assert worker.get_block_ids_with_load_errors() == {4, 6}
     assert worker.totals.data["failed_jobs"] == 1
+
+
+def test_shutdown_keeps_the_host_buffer_while_a_copy_still_runs(make_engine, monkeypatch):
+    from kvoffload_hal import worker as worker_module
+    from support.backend_doubles import GatedCpuBackend
+    from support.polling import wait_until
+
+    monkeypatch.setattr(worker_module, "SHUTDOWN_TIMEOUT_S", 0.2)
+    GatedCpuBackend.gate.clear()
+    worker, kv, host = _worker(make_engine, backend="gated-cpu")
+    backend = worker.backend
+    kv[3].fill_(0x5A)
+    worker.bind_connector_metadata(OffloadMetadata(store=StoreSpec(0, [3], [7])))
+    worker.get_finished(set())  # launched: the copy thread waits at the gate
+    buffer = weakref.ref(worker.host_buffer)
+    del host
+    worker.shutdown()  # gives up waiting after 0.2 s
+    gc.collect()
+    assert buffer() is not None, "host buffer freed under a running copy"
+    GatedCpuBackend.gate.set()  # the copy goes on, into memory that is still ours
+    wait_until(lambda: not backend._thread.is_alive())
+    assert torch.equal(buffer().view(worker.num_cpu_blocks, -1)[7], kv[3])

@@ -160,6 +160,24 @@ def test_shutdown_releases_streams_events_and_context(fake, make_setup):
         backend.submit(TransferJob(1, Direction.STORE, [0], [0]))
 
 
+def test_shutdown_waits_for_queued_copies_before_streams_and_host_memory_go(fake, make_setup):
+    setup = make_setup()
+    backend = setup.backend
+    fake.lib.fake_set_defer(1)  # copies stay queued on their streams until waited for
+    setup.host_view.zero_()
+    backend.submit(TransferJob(0, Direction.STORE, [4], [1]))
+    backend.poll()  # launched, not finished
+    assert backend.shutdown() is True
+    log = [(f, s) for f, s, _ in fake.log()]
+    streams = list(dict.fromkeys(s for f, s in log if f == "cuStreamDestroy_v2"))
+    assert len(streams) == 2
+    for stream in streams:
+        assert log.index(("cuStreamSynchronize", stream)) < log.index(
+            ("cuStreamDestroy_v2", stream))
+    assert (setup.host_view[:, 1] == setup.kv[:, 4]).all()  # the copy ended before free_host
+    backend.free_host(setup.host)
+
+
 def test_shutdown_before_bind_touches_no_driver(fake):
     backend = FakeGpuBackend("cuda:0", library_path=fake.path)
     backend.shutdown()
