@@ -38,6 +38,7 @@ from kvoffload_hal.metadata import (
 from kvoffload_hal.metrics import OffloadStats, StatsLedger
 from kvoffload_hal.tiers.base import NullTier, SecondaryTier
 from kvoffload_hal.tiers.disk import DiskTier
+from kvoffload_hal.tiers.identity import kv_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,6 +70,7 @@ class OffloadWorker:
         self.num_gpu_blocks = kv_cache_config.num_blocks
         self.num_cpu_blocks = num_cpu_blocks(kv_cache_config, config.cpu_bytes_per_rank(world_size))
         self.config = config
+        self.vllm_config = vllm_config
         self.rank = _rank()
         self.backend: DmaCopyBackend | None = None
         self.tier: SecondaryTier = NullTier()
@@ -98,8 +100,10 @@ class OffloadWorker:
         backend.bind(regions, host_regions)
         self.backend = backend
         if self.caps.disk_tier:
+            fingerprint = kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank)
             self.tier = DiskTier(self.config.disk_path, self.rank,
-                                 self._host_block_views(host_regions), self.config.disk_o_direct)
+                                 self._host_block_views(host_regions), self.config.disk_o_direct,
+                                 fingerprint)
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB) on the %r backend",

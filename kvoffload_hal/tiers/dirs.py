@@ -1,22 +1,39 @@
-"""Directories of the disk tier: private, never followed through links, never someone else's.
+"""Directories of the disk tier: private, locked while in use, never someone else's.
 
-KV reveals the prompts it was computed from, and the tier wipes its directory at
-start-up, so two rules hold for every directory it uses:
+KV reveals the prompts it was computed from, and several servers may be given
+the same ``disk_path``, so:
 
-* it belongs to the serving user and is not a symbolic link (checked with
-  ``lstat``), so neither the files nor the wipe can be redirected elsewhere;
-* the tier deletes only a directory it created itself: one holding its
-  :data:`MARKER` file, or an empty one. Anything else stops start-up with one
-  line naming the path.
+* every directory the tier uses belongs to the serving user and is not a
+  symbolic link (checked with ``lstat``), so neither the files nor a removal
+  can be redirected elsewhere; directories are 0700 and files 0600;
+* each worker writes only into its own directory,
+  ``<disk_path>/rank<r>.<random>``, holding the tier's :data:`MARKER` file and
+  a :data:`LOCK` file it keeps ``flock``-ed while it runs: two servers never
+  share files, whatever their models;
+* at start-up, directories left by servers that are gone (the marker present,
+  the lock free: the kernel drops it when its process dies) are removed, stray
+  temporary files with them; a directory without the marker is never touched;
+* creating and removing happen under :data:`SETUP_LOCK`, so a starting server
+  never removes the directory another one is creating.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import stat
+import uuid
+from collections.abc import Iterator
+
+from kvoffload_hal.logger import init_logger
+
+logger = init_logger(__name__)
 
 MARKER = ".kvoffload-hal-tier"
+LOCK = ".kvoffload-hal-lock"
+SETUP_LOCK = ".kvoffload-hal-setup.lock"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
@@ -34,28 +51,78 @@ def check_private_dir(path: str, what: str) -> None:
                          f"owned by this user (uid {os.geteuid()})")
 
 
-def claim_tier_dir(path: str) -> None:
-    """Make ``path`` an empty tier directory: create it, or empty one this tier created."""
+class TierDir:
+    """This worker's own directory under ``disk_path``, locked until :meth:`close`."""
+
+    def __init__(self, disk_path: str, rank: int) -> None:
+        check_private_dir(disk_path, "disk tier directory")
+        with _setup_lock(disk_path):
+            removed = remove_stale_dirs(disk_path)
+            self.path = os.path.join(disk_path, f"rank{rank}.{uuid.uuid4().hex[:12]}")
+            os.mkdir(self.path, DIR_MODE)
+            _touch(os.path.join(self.path, MARKER))
+            self._lock_fd: int | None = _open_private(os.path.join(self.path, LOCK))
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if removed:
+            logger.info("disk tier: removed %d directory(ies) left by stopped servers in %s",
+                        removed, disk_path)
+
+    def close(self, remove: bool) -> None:
+        """Release the lock; with ``remove``, delete the directory (its blocks are of
+        no use to a later server, whose index starts empty)."""
+        if self._lock_fd is None:
+            return
+        if remove:
+            shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+
+def remove_stale_dirs(disk_path: str) -> int:
+    """Remove the tier directories under ``disk_path`` whose owner is gone."""
+    removed = 0
+    for entry in os.scandir(disk_path):
+        if _is_stale(entry):
+            shutil.rmtree(entry.path, ignore_errors=True)  # never follows links inside
+            removed += 1
+    return removed
+
+
+def _is_stale(entry: os.DirEntry) -> bool:
+    if not entry.is_dir(follow_symlinks=False):
+        return False
+    if entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+        return False
+    if not os.path.isfile(os.path.join(entry.path, MARKER)):
+        return False  # not ours: never touched
     try:
-        os.mkdir(path, DIR_MODE)
-    except FileExistsError:
-        check_private_dir(path, "disk tier directory")
-        entries = os.listdir(path)
-        if entries and MARKER not in entries:
-            raise ValueError(
-                f"disk tier directory {path!r} is not empty and holds no {MARKER} file: "
-                "expected an empty directory or one this connector created; nothing was "
-                "deleted") from None
-        for name in entries:
-            if name != MARKER:
-                _remove(os.path.join(path, name))
-    fd = os.open(os.path.join(path, MARKER), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW,
-                 FILE_MODE)
-    os.close(fd)
+        fd = os.open(os.path.join(entry.path, LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True  # marked, never locked: an older layout or a server killed mid-setup
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False  # a running server holds it
+    finally:
+        os.close(fd)
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)  # never follows links inside
-    else:
-        os.unlink(path)
+@contextlib.contextmanager
+def _setup_lock(disk_path: str) -> Iterator[None]:
+    fd = _open_private(os.path.join(disk_path, SETUP_LOCK))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _open_private(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+
+
+def _touch(path: str) -> None:
+    os.close(_open_private(path))

@@ -1,16 +1,24 @@
 """Local-disk secondary tier: one checksummed file per block and rank.
 
-Layout: ``<disk_path>/rank<r>/<key[:2]>/<key>.kvb``. A file is a 24-byte header
-(magic, format version, CRC-32 of the payload, payload length) followed by the
-block's bytes in every host region, in region order. Writes go to a temporary
-file first and are renamed into place, so a reader sees a whole file or none.
-A read that finds no file, a short file, a wrong header or a wrong checksum
-fails that key: the scheduler drops it and vLLM recomputes the block.
+Layout: ``<disk_path>/rank<r>.<random>/<key[:2]>/<key>.kvb``, one directory per
+worker of each running server (see :mod:`kvoffload_hal.tiers.dirs`). A file is
 
-Restarts: the tier starts empty. Its rank directory is emptied at start-up, since
-the index of what it holds lives in the scheduler's memory only; only a directory
-the tier created is emptied, and directories and files are private to the serving
-user (see :mod:`kvoffload_hal.tiers.dirs`).
+* a header: magic, format version, CRC-32, key length, a reserved field, the
+  :func:`~kvoffload_hal.tiers.identity.kv_fingerprint` of the writer, payload
+  length (:data:`_HEADER`);
+* the block key (ASCII);
+* the payload: the block's bytes in every host region, in region order.
+
+The CRC covers everything after its own field: header, key and payload. A read
+checks all of it: a missing or short file, another format, another key (a file
+copied over another's name), another fingerprint (another model, dtype, layout
+or rank) or a wrong checksum fails that key; the scheduler drops it and vLLM
+recomputes the block.
+
+Writes go to a temporary file first and are renamed into place, so a reader
+sees a whole file or none; the temporary is removed on every error, and short
+writes are errors. Restarts: the tier starts empty, in a new directory; the
+directories of servers that are gone are removed at start-up.
 
 IO runs on a small thread pool (file IO releases the GIL), so the engine never
 waits on the disk; results are polled like copy jobs.
@@ -18,10 +26,12 @@ waits on the disk; results are polled like copy jobs.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,13 +42,16 @@ import torch
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.base import BlockKey, SecondaryTier, TierItem, TierJobResult
-from kvoffload_hal.tiers.dirs import DIR_MODE, FILE_MODE, claim_tier_dir
+from kvoffload_hal.tiers.dirs import DIR_MODE, FILE_MODE, TierDir
+from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
 
 logger = init_logger(__name__)
 
 MAGIC = b"KVHALBLK"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sIIQ")  # magic, version, crc32, payload bytes
+FORMAT_VERSION = 2
+# magic, version, crc32, key bytes, reserved, fingerprint, payload bytes
+_HEADER = struct.Struct(f"<8sIIHH{FINGERPRINT_BYTES}sQ")
+_CRC_FROM = 16  # the CRC covers the header after its own field, the key and the payload
 # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size;
 # 4 KiB covers every common device.
 DIRECT_IO_ALIGN = 4096
@@ -49,13 +62,18 @@ class DiskTier(SecondaryTier):
     name = "disk"
 
     def __init__(self, root: str, rank: int, host_views: Sequence[torch.Tensor],
-                 o_direct: bool = False) -> None:
-        """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view per host region."""
-        self.root = os.path.join(root, f"rank{rank}")
+                 o_direct: bool = False, fingerprint: bytes = bytes(FINGERPRINT_BYTES)) -> None:
+        """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view per host region;
+        ``fingerprint``: what the blocks' bytes depend on (:mod:`~.identity`)."""
+        if len(fingerprint) != FINGERPRINT_BYTES:
+            raise ValueError(f"fingerprint of {len(fingerprint)} bytes, expected "
+                             f"{FINGERPRINT_BYTES}")
         self.views = list(host_views)
         self.payload_bytes = sum(v.shape[1] for v in self.views)
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
-        claim_tier_dir(self.root)  # start empty: see the module docstring and tiers/dirs.py
+        self.fingerprint = fingerprint
+        self._dir = TierDir(root, rank)  # new, private, locked while this tier runs
+        self.root = self._dir.path
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvoffload-disk")
         self._jobs: dict[int, list[Future]] = {}
 
@@ -86,7 +104,9 @@ class DiskTier(SecondaryTier):
         if not_done:
             logger.warning("disk tier: %d block IO(s) still running after %.0f s at shutdown",
                            len(not_done), timeout_s)
+            self._dir.close(remove=False)
             return False
+        self._dir.close(remove=True)
         return True
 
     @property
@@ -99,17 +119,27 @@ class DiskTier(SecondaryTier):
 
     def _write(self, key: BlockKey, cpu_block: int) -> BlockKey | None:
         """Returns ``key`` if it failed, None on success (run on the IO pool)."""
+        tmp = None
         try:
-            payload = b"".join(v[cpu_block].numpy().tobytes() for v in self.views)
-            header = _HEADER.pack(MAGIC, FORMAT_VERSION, zlib.crc32(payload), len(payload))
+            data = self._encode(key, cpu_block)
             path = self._path(key)
             os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            self._write_file(tmp, header + payload)
+            tmp = f"{path}.{threading.get_ident()}.tmp"
+            self._write_file(tmp, data)
             os.replace(tmp, path)
             return None
         except Exception as e:  # noqa: BLE001 - any fault fails the key, never the step
+            if tmp is not None:
+                _unlink(tmp)  # a partial file must not eat the space left
             return _failed(key, "writing", e)
+
+    def _encode(self, key: BlockKey, cpu_block: int) -> bytes:
+        payload = b"".join(v[cpu_block].numpy().tobytes() for v in self.views)
+        key_bytes = key.encode("ascii")
+        fields = (len(key_bytes), 0, self.fingerprint, len(payload))
+        covered = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, *fields)[_CRC_FROM:]
+        crc = zlib.crc32(payload, zlib.crc32(key_bytes, zlib.crc32(covered)))
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, crc, *fields) + key_bytes + payload
 
     def _read(self, key: BlockKey, cpu_block: int) -> BlockKey | None:
         """Returns ``key`` if it failed, None when the block is in place (run on the IO pool)."""
@@ -122,14 +152,19 @@ class DiskTier(SecondaryTier):
         data = self._read_file(self._path(key))
         if len(data) < _HEADER.size:
             return self._corrupt(key, "shorter than its header")
-        magic, version, crc, length = _HEADER.unpack_from(data)
-        payload = memoryview(data)[_HEADER.size:_HEADER.size + length]
+        magic, version, crc, key_len, _, fingerprint, length = _HEADER.unpack_from(data)
         if magic != MAGIC or version != FORMAT_VERSION:
             return self._corrupt(key, "unknown header")
+        body = memoryview(data)[_HEADER.size:]
+        if bytes(body[:key_len]) != key.encode("ascii"):
+            return self._corrupt(key, "written for another key")
+        if fingerprint != self.fingerprint:
+            return self._corrupt(key, "written by another model, KV layout or rank")
+        payload = body[key_len:key_len + length]
         if length != self.payload_bytes or len(payload) != length:
             return self._corrupt(
                 key, f"{len(payload)} payload bytes, expected {self.payload_bytes}")
-        if zlib.crc32(payload) != crc:
+        if zlib.crc32(body[:key_len + length], zlib.crc32(data[_CRC_FROM:_HEADER.size])) != crc:
             return self._corrupt(key, "checksum mismatch")
         offset = 0
         for view in self.views:
@@ -156,9 +191,11 @@ class DiskTier(SecondaryTier):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT,
                          FILE_MODE)
             try:
-                os.write(fd, buf)
+                written = os.write(fd, buf)
             finally:
                 os.close(fd)
+            if written != size:  # a full disk, a quota: never count a truncated file
+                raise OSError(errno.ENOSPC, f"short write: {written} of {size} bytes")
 
     def _read_file(self, path: str) -> bytearray:
         if not self.o_direct:

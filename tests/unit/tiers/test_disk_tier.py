@@ -1,6 +1,7 @@
 """DiskTier on real files: round trips, integrity failures, eviction, concurrency."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def test_round_trip_is_byte_exact_into_other_blocks(tier):
     for v, o in zip(tier.views, original):
         assert torch.equal(v[5], o[1]) and torch.equal(v[6], o[2])
     assert os.path.exists(os.path.join(tier.root, "aa", "aa01.kvb"))
-    assert tier.root.endswith("rank3")
+    assert os.path.basename(tier.root).startswith("rank3.")
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped", "header"])
@@ -83,15 +84,66 @@ def test_many_concurrent_jobs_each_reported_once(tier):
     assert tier.poll() == [] and tier.num_pending == 0
 
 
-def test_start_up_wipes_what_an_earlier_run_left(tmp_path):
-    views = [torch.zeros(2, 64, dtype=torch.uint8)]
-    first = DiskTier(str(tmp_path), 0, views)
-    first.submit_store(0, [("ff06", 0)])
-    _wait(first, 1)
-    first.shutdown()
-    second = DiskTier(str(tmp_path), 0, views)
-    assert not os.path.exists(os.path.join(second.root, "ff", "ff06.kvb"))
-    second.shutdown()
+def _files(root, suffix):
+    return [name for _, _, names in os.walk(root) for name in names if name.endswith(suffix)]
+
+
+def test_a_file_is_tied_to_its_key_and_to_the_writers_fingerprint(tmp_path):
+    def make(fingerprint):
+        return DiskTier(str(tmp_path), 0, [torch.full((2, 64), fingerprint[0], dtype=torch.uint8)],
+                        fingerprint=fingerprint)
+
+    writer, same, other = make(b"a" * 32), make(b"a" * 32), make(b"b" * 32)
+    writer.submit_store(0, [("aa01", 0), ("bb02", 1)])
+    assert _wait(writer, 1)[0].ok
+    source = os.path.join(writer.root, "aa", "aa01.kvb")
+    for tier in (same, other):
+        for key in ("aa01", "cc03"):  # under its own name, and copied over another key's
+            os.makedirs(os.path.join(tier.root, key[:2]), exist_ok=True)
+            shutil.copy(source, tier._path(key))
+        tier.submit_load(1, [("aa01", 0), ("cc03", 1)])
+    assert _wait(same, 1)[1].failed_keys == ("cc03",)  # the right key and model: accepted
+    assert _wait(other, 1)[1].failed_keys == ("aa01", "cc03")  # another model's KV: refused
+    for tier in (writer, same, other):
+        tier.shutdown()
+
+
+def test_the_checksum_covers_the_header(tier):
+    tier.submit_store(0, [("dd04", 0)])
+    _wait(tier, 1)
+    with open(tier._path("dd04"), "r+b") as f:
+        f.seek(18)  # the reserved field: read by nothing but the checksum
+        f.write(b"\xff\xff")
+    tier.submit_load(1, [("dd04", 1)])
+    assert _wait(tier, 1)[1].failed_keys == ("dd04",)
+
+
+def test_a_failed_write_leaves_no_temporary_file(tier, monkeypatch):
+    def fails_half_way(path, data):
+        with open(path, "wb") as f:
+            f.write(data[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier, "_write_file", fails_half_way)
+    tier.submit_store(0, [("ee05", 0)])
+    assert _wait(tier, 1)[0].failed_keys == ("ee05",)
+    assert _files(tier.root, ".tmp") == [] and _files(tier.root, ".kvb") == []
+
+
+def test_a_short_direct_write_fails_its_key(tmp_path, monkeypatch):
+    tier = DiskTier(str(tmp_path), 0, [torch.ones(2, 5000, dtype=torch.uint8)], o_direct=True)
+    real_write = os.write
+
+    def short_write(fd, data):  # a full disk accepts part of the buffer
+        return real_write(fd, bytes(data)[:4096])
+
+    monkeypatch.setattr(os, "write", short_write)
+    tier.submit_store(0, [("ff06", 0)])
+    result = _wait(tier, 1)[0]
+    monkeypatch.undo()
+    assert result.failed_keys == ("ff06",)
+    assert _files(tier.root, ".tmp") == [] and _files(tier.root, ".kvb") == []
+    tier.shutdown()
 
 
 def test_unwritable_disk_path_is_a_start_up_error(tmp_path):
