@@ -135,3 +135,4 @@ def test_disk_tier_serves_prefixes_evicted_from_device_and_cpu(tiny_model_dir, b
     # second pass came back from disk (promoted to the CPU tier, then loaded).
     assert totals["blocks_from_disk"] >= NUM_DOCS * 5 - 12
     _check_against_baseline(outputs, summary, baseline)
+

@@ -1,0 +1,59 @@
+"""One engine of the shared-disk test, run as its own process.
+
+``python shared_disk_engine.py MODEL DISK_PATH SYNC_DIR NAME PEER`` serves the
+documents twice with a disk tier at ``DISK_PATH``, meeting its peer (the other
+engine, on the same ``DISK_PATH``) before each pass, and prints one JSON line:
+the tokens of both passes, the cached tokens of the second and the blocks read
+back from disk.
+"""
+
+import json
+import os
+import sys
+import time
+
+from kvoffload_hal.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
+from kvoffload_hal.tiny_model import synthetic_text
+
+NUM_DOCS = 8
+BLOCK_BYTES = 2 * 32 * 2 * 128 * 2  # layers x tokens x heads x (K+V)·head_dim x bf16
+
+
+def meet(sync_dir: str, name: str, peer: str, stage: str, timeout_s: float = 240) -> None:
+    open(os.path.join(sync_dir, f"{name}.{stage}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(os.path.join(sync_dir, f"{peer}.{stage}")):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{peer} did not reach {stage}")
+        time.sleep(0.05)
+
+
+def main(model: str, disk_path: str, sync_dir: str, name: str, peer: str) -> None:
+    from vllm import SamplingParams
+
+    spec = EngineSpec(model, num_gpu_blocks=24, offload=True,
+                      cpu_bytes_to_use=12 * BLOCK_BYTES,  # ~2 of the 8 documents
+                      extra_config={"disk_path": disk_path,
+                                    "disk_bytes_to_use": 100 * BLOCK_BYTES})
+    llm = make_llm(spec)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    docs = [synthetic_text(180, seed=i) for i in range(NUM_DOCS)]
+    passes = []
+    try:
+        for stage in ("first", "second"):
+            meet(sync_dir, name, peer, stage)  # both engines write before either reads
+            outs = [llm.generate([d], params, use_tqdm=False)[0] for d in docs]
+            passes.append(outs)
+        totals = scheduler_connector(llm).scheduler.totals.data
+        print(json.dumps({
+            "first": [list(o.outputs[0].token_ids) for o in passes[0]],
+            "second": [list(o.outputs[0].token_ids) for o in passes[1]],
+            "cached": [o.num_cached_tokens for o in passes[1]],
+            "blocks_from_disk": totals["blocks_from_disk"],
+        }))
+    finally:
+        close_llm(llm)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:6])
