@@ -14,6 +14,11 @@ key                    default     meaning
 ``disk_bytes_to_use``  (none)      disk tier capacity for the whole instance, split
                                    across ranks (int bytes > 0; needs ``disk_path``)
 ``disk_o_direct``      ``false``   bypass the page cache for disk-tier IO
+``allow_overcommit``   ``false``   accept a rank's share of ``cpu_bytes_to_use``
+                                   larger than the memory available when it
+                                   starts, or of ``disk_bytes_to_use`` larger than
+                                   the free space of ``disk_path``; refused
+                                   otherwise, before anything is allocated
 ``load_mode``          ``auto``    ``sync``: a CPU hit is loaded before the forward
                                    pass of the step that schedules the request;
                                    ``async``: the request waits for its load over
@@ -31,6 +36,7 @@ valid keys.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +51,7 @@ DEFAULT_CPU_BYTES_TO_USE = 4 << 30
 
 
 VALID_KEYS = ("cpu_bytes_to_use", "lazy_offload", "disk_path", "disk_bytes_to_use",
-              "disk_o_direct", "load_mode")
+              "disk_o_direct", "load_mode", "allow_overcommit")
 LOAD_MODES = ("auto", "async", "sync")
 
 
@@ -71,6 +77,7 @@ class OffloadConfig:
     disk_bytes_to_use: int = 0
     disk_o_direct: bool = False
     load_mode: str = "auto"
+    allow_overcommit: bool = False
 
     @property
     def disk_enabled(self) -> bool:
@@ -89,6 +96,7 @@ class OffloadConfig:
                                   extra.get("cpu_bytes_to_use", DEFAULT_CPU_BYTES_TO_USE))
         lazy = _bool("lazy_offload", extra.get("lazy_offload", False))
         o_direct = _bool("disk_o_direct", extra.get("disk_o_direct", False))
+        overcommit = _bool("allow_overcommit", extra.get("allow_overcommit", False))
         load_mode = extra.get("load_mode", "auto")
         if load_mode not in LOAD_MODES:
             raise ValueError(f"kv_connector_extra_config['load_mode']={load_mode!r}: expected "
@@ -99,17 +107,66 @@ class OffloadConfig:
                 if extra.get(key) not in (None, False):
                     raise ValueError(f"kv_connector_extra_config['{key}'] is set but "
                                      "'disk_path' is not: expected both for a disk tier")
-            return cls(cpu_bytes, lazy, disk_o_direct=o_direct, load_mode=load_mode)
+            return cls(cpu_bytes, lazy, disk_o_direct=o_direct, load_mode=load_mode,
+                       allow_overcommit=overcommit)
         disk_path = _absolute_dir(disk_path)
         if "disk_bytes_to_use" not in extra:
             raise ValueError("kv_connector_extra_config['disk_path'] is set but "
                              "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
         disk_bytes = _positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
         _check_writable_dir(disk_path)
-        return cls(cpu_bytes, lazy, disk_path, disk_bytes, o_direct, load_mode)
+        return cls(cpu_bytes, lazy, disk_path, disk_bytes, o_direct, load_mode, overcommit)
 
     def cpu_bytes_per_rank(self, world_size: int) -> int:
         return self.cpu_bytes_to_use // max(1, world_size)
+
+
+def check_capacity(config: OffloadConfig, world_size: int, *, before_allocating: bool) -> None:
+    """Refuse a tier this host cannot hold: one line naming the key, the value and
+    what is available, or a warning with ``allow_overcommit``.
+
+    Each rank checks its own share. A worker checks, before allocating, the
+    memory available and the free space of ``disk_path`` (ranks starting later
+    see what earlier ones took); the scheduler, whose CPU tier index grows with
+    the tier, checks the host's total memory.
+    """
+    ranks = max(1, world_size)
+    if before_allocating:
+        wanted = [("cpu_bytes_to_use", config.cpu_bytes_per_rank(ranks),
+                   host_memory("MemAvailable"), "of memory available")]
+        if config.disk_path is not None:
+            wanted.append(("disk_bytes_to_use", config.disk_bytes_to_use // ranks,
+                           shutil.disk_usage(config.disk_path).free,
+                           f"free in {config.disk_path}"))
+    else:
+        wanted = [("cpu_bytes_to_use", config.cpu_bytes_per_rank(ranks),
+                   host_memory("MemTotal"), "of memory on this host")]
+    for key, per_rank, available, where in wanted:
+        if per_rank <= available:
+            continue
+        what = (f"kv_connector_extra_config['{key}'] gives {per_rank} bytes per rank "
+                f"({_gib(per_rank)}), more than the {_gib(available)} {where}")
+        if not config.allow_overcommit:
+            raise ValueError(f"{what}: expected at most {available} bytes per rank (or set "
+                             "'allow_overcommit': true)")
+        logger.warning("%s; accepted since allow_overcommit is set", what)
+
+
+def host_memory(field: str) -> int:
+    """``MemTotal`` or ``MemAvailable`` of ``/proc/meminfo``, in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = "SC_PHYS_PAGES" if field == "MemTotal" else "SC_AVPHYS_PAGES"
+    return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
 
 
 def device_bytes_per_block(kv_cache_config) -> int:

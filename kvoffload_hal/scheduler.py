@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload_hal.capabilities import resolve_capabilities
-from kvoffload_hal.config import OffloadConfig, num_cpu_blocks, num_disk_blocks
+from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks, num_disk_blocks
 from kvoffload_hal.cpu_tier import CpuTier, Hit, pin_ids, unpin_ids
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import (
@@ -84,9 +84,10 @@ class OffloadScheduler:
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  config: OffloadConfig) -> None:
+        self.world_size = vllm_config.parallel_config.world_size
+        check_capacity(config, self.world_size, before_allocating=False)
         self.config = config
         self.caps = resolve_capabilities(kv_cache_config, config)
-        self.world_size = vllm_config.parallel_config.world_size
         # Through the module, at use time: platforms may patch it.
         block_size, hash_block_size = kv_cache_utils.resolve_kv_cache_block_sizes(
             kv_cache_config, vllm_config)

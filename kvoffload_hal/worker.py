@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvoffload_hal.capabilities import resolve_capabilities
-from kvoffload_hal.config import OffloadConfig, num_cpu_blocks
+from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.hal import Direction, DmaCopyBackend, JobResult, TransferJob, create_backend
 from kvoffload_hal.hal.regions import BlockRegion, host_bytes_per_block, host_regions_for
 from kvoffload_hal.logger import init_logger
@@ -71,6 +71,7 @@ class OffloadWorker:
         self.num_cpu_blocks = num_cpu_blocks(kv_cache_config, config.cpu_bytes_per_rank(world_size))
         self.config = config
         self.vllm_config = vllm_config
+        self.world_size = world_size
         self.rank = _rank()
         self.backend: DmaCopyBackend | None = None
         self.tier: SecondaryTier = NullTier()
@@ -91,6 +92,7 @@ class OffloadWorker:
         tensors = _unique_tensors(kv_caches)
         if not tensors:
             raise ValueError("HALOffloadConnector: no KV cache tensors to offload")
+        check_capacity(self.config, self.world_size, before_allocating=True)
         backend = create_backend(device=tensors[0].device)
         regions = list(dict.fromkeys(
             r for t in tensors for r in backend.describe_kv_tensor(t, self.num_gpu_blocks)))

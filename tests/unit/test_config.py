@@ -89,3 +89,48 @@ def test_disk_path_expands_home_and_refuses_relative_paths(tmp_path, monkeypatch
         OffloadConfig.from_extra_config({"disk_path": "kv", "disk_bytes_to_use": 1 << 20})
     assert str(e.value) == ("kv_connector_extra_config['disk_path']='kv': expected an absolute "
                             "path (or one starting with ~)")
+
+
+def _memory(monkeypatch, total_gib, available_gib):
+    from kvoffload_hal import config as config_module
+
+    sizes = {"MemTotal": total_gib << 30, "MemAvailable": available_gib << 30}
+    monkeypatch.setattr(config_module, "host_memory", sizes.__getitem__)
+
+
+def test_a_cpu_tier_larger_than_the_host_is_refused_with_its_numbers(monkeypatch):
+    from kvoffload_hal.config import check_capacity
+
+    _memory(monkeypatch, total_gib=64, available_gib=8)
+    huge = OffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**70})
+    with pytest.raises(ValueError) as e:
+        check_capacity(huge, 1, before_allocating=False)
+    assert str(e.value) == (
+        "kv_connector_extra_config['cpu_bytes_to_use'] gives 1180591620717411303424 bytes per "
+        "rank (1099511627776.0 GiB), more than the 64.0 GiB of memory on this host: expected "
+        "at most 68719476736 bytes per rank (or set 'allow_overcommit': true)")
+    # Each rank checks its share against what is available before it allocates.
+    check_capacity(OffloadConfig.from_extra_config({"cpu_bytes_to_use": 16 << 30}), 2,
+                   before_allocating=True)
+    with pytest.raises(ValueError, match=r"more than the 8\.0 GiB of memory available"):
+        check_capacity(OffloadConfig.from_extra_config({"cpu_bytes_to_use": 17 << 30}), 2,
+                       before_allocating=True)
+    overcommitted = OffloadConfig.from_extra_config({"cpu_bytes_to_use": 2**70,
+                                                     "allow_overcommit": True})
+    check_capacity(overcommitted, 1, before_allocating=True)  # a warning, on purpose
+
+
+def test_a_disk_tier_larger_than_the_free_space_is_refused(tmp_path, monkeypatch):
+    from kvoffload_hal.config import check_capacity
+
+    _memory(monkeypatch, total_gib=64, available_gib=64)
+    config = OffloadConfig.from_extra_config({"cpu_bytes_to_use": 1 << 20,
+                                              "disk_path": str(tmp_path),
+                                              "disk_bytes_to_use": 2**70})
+    with pytest.raises(ValueError, match=rf"disk_bytes_to_use'\] gives .* free in {tmp_path}"):
+        check_capacity(config, 1, before_allocating=True)
+
+
+def test_an_engine_refuses_an_impossible_tier_before_building_it(make_engine):
+    with pytest.raises(ValueError, match=r"cpu_bytes_to_use'\] gives .* memory on this host"):
+        make_engine(cpu_blocks=2**50)  # an index of 2**50 blocks would never finish
