@@ -304,7 +304,8 @@ class OffloadScheduler:
         return self.stats.take_step()
 
     def has_pending_transfers(self) -> bool:
-        return bool(self._loads or self.stores.has_pending() or self.cascade.has_pending())
+        return bool(self._loads or self.stores.has_pending() or self.cascade.has_pending()
+                    or self.policy.has_pending())
 
     def num_jobs_in_flight(self) -> int:
         """Load and store jobs sent to the workers and not yet reported by every rank."""

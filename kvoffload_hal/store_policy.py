@@ -4,7 +4,9 @@ Two policies behind one interface (:class:`StorePolicy`):
 
 * **eager** (default): every full block of a running request is stored once
   the step that computed it has finished, including the last full block of a
-  request that finishes in that same step;
+  request that finishes in that same step. A step stores at most as many
+  blocks as the CPU tier has free; blocks of a finished request left over are
+  stored in the next steps, while the device still holds them (same hash);
 * **lazy**: only the device blocks next in line for eviction (the head of the
   device pool's free queue) are stored, a window of about two steps' worth of
   allocations.
@@ -18,6 +20,7 @@ the scheduler's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -80,6 +83,10 @@ class StorePolicy(ABC):
     def reset(self) -> None:
         """The CPU tier was emptied: blocks offered before may be offered again."""
 
+    def has_pending(self) -> bool:
+        """Blocks still to offer in later steps, with no request left to step for."""
+        return False
+
 
 @dataclass
 class _Cursor:
@@ -108,6 +115,8 @@ class EagerPolicy(StorePolicy):
         self.group_block_sizes = list(group_block_sizes)
         self.cacheable_groups = list(cacheable_groups)
         self._cursors: dict[str, _Cursor] = {}
+        # (device block id, its hash) of finished requests, not stored for want of room.
+        self._leftovers: deque[tuple[int, Any]] = deque()
 
     def on_allocated(self, request: Request, num_groups: int) -> None:
         if request.request_id not in self._cursors:
@@ -122,6 +131,8 @@ class EagerPolicy(StorePolicy):
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
         # Runs for every scheduled request on every step: most have no newly
         # completed block, and leave after two comparisons.
+        if self._leftovers:
+            self._offer_leftovers(picker)  # first: the device may evict them any time
         cursors = self._cursors
         cached = scheduler_output.scheduled_cached_reqs
         new_reqs = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
@@ -147,10 +158,39 @@ class EagerPolicy(StorePolicy):
             # The request's last full block may have been computed in this very
             # step: offer it now, from the final block table, or it is lost.
             self._offer(cursor, block_ids, request.num_computed_tokens, picker)
+            self._keep_leftovers(cursor, block_ids, request.num_computed_tokens)
 
     def reset(self) -> None:
         for cursor in self._cursors.values():
             cursor.rewind(forget_blocks=False)
+        self._leftovers.clear()
+
+    def has_pending(self) -> bool:
+        return bool(self._leftovers)
+
+    def _keep_leftovers(self, cursor: _Cursor, block_ids: Sequence[list[int]],
+                        confirmed_tokens: int) -> None:
+        """Remember the full blocks a finished request could not offer (the picker was full)."""
+        assert self.gpu_pool is not None, "bind() was not called"
+        blocks = self.gpu_pool.blocks
+        for g in self.cacheable_groups:
+            ids = block_ids[g]
+            ready = min(len(ids), confirmed_tokens // self.group_block_sizes[g])
+            for block_id in ids[cursor.num_scanned[g]:ready]:
+                block_hash = blocks[block_id].block_hash
+                if block_hash is not None:
+                    self._leftovers.append((block_id, block_hash))
+        while len(self._leftovers) > len(blocks):  # older ones are evicted by now
+            self._leftovers.popleft()
+
+    def _offer_leftovers(self, picker: BlockPicker) -> None:
+        assert self.gpu_pool is not None, "bind() was not called"
+        blocks = self.gpu_pool.blocks
+        while self._leftovers and not picker.full:
+            block_id, block_hash = self._leftovers.popleft()
+            block = blocks[block_id]
+            if block.block_hash == block_hash:  # not evicted since its request finished
+                picker.offer(block)
 
     def _offer(self, cursor: _Cursor, block_ids: Sequence[list[int]], confirmed_tokens: int,
                picker: BlockPicker) -> None:

@@ -143,6 +143,27 @@ def test_eager_offers_each_confirmed_full_block_once():
     assert picker.blocks == blocks[2:]  # the last blocks, from the final block table
 
 
+def test_eager_offers_a_finished_requests_leftovers_while_the_device_holds_them():
+    pool = _pool()
+    blocks = _hashed(pool, 4)
+    ids = [b.block_id for b in blocks]
+    policy = EagerPolicy([BS], [0])
+    policy.bind(pool)
+    req = _request("r", computed=4 * BS)
+    policy.on_allocated(req, 1)
+    picker = BlockPicker(1, _everything)  # room for one block when the request finishes
+    policy.on_finished(req, (ids,), picker)
+    assert picker.blocks == blocks[:1] and policy.has_pending()
+    pool.free_blocks(blocks)  # the request is gone; its blocks stay cached on the device
+    picker = BlockPicker(2, _everything)
+    policy.select(_scheduled("x", None), picker)
+    assert picker.blocks == blocks[1:3] and policy.has_pending()
+    blocks[3].reset_hash()  # evicted from the device meanwhile: nothing left to store
+    picker = BlockPicker(100, _everything)
+    policy.select(_scheduled("x", None), picker)
+    assert picker.blocks == [] and not policy.has_pending()
+
+
 def test_eager_rewinds_on_preemption_and_reset():
     pool = _pool()
     blocks = _hashed(pool, 2)
