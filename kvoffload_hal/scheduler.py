@@ -304,8 +304,11 @@ class OffloadScheduler:
         return self.stats.take_step()
 
     def has_pending_transfers(self) -> bool:
+        # Blocks left to store keep an idle engine stepping only while the CPU
+        # tier has room for them (with none and no copy in flight, nothing changes).
+        leftovers = self.policy.has_pending() and self.cpu.num_free_blocks() > 0
         return bool(self._loads or self.stores.has_pending() or self.cascade.has_pending()
-                    or self.policy.has_pending())
+                    or leftovers)
 
     def num_jobs_in_flight(self) -> int:
         """Load and store jobs sent to the workers and not yet reported by every rank."""

@@ -179,3 +179,18 @@ def test_any_fault_in_a_tier_job_fails_its_key_not_the_step(tier, monkeypatch, e
     tier.submit_store(2, [("ee05", 3)])
     results = _wait(tier, 2)  # poll() raised before, failing the engine step
     assert results[1].failed_keys == ("dd04",) and results[2].failed_keys == ("ee05",)
+
+
+def test_shutdown_with_hung_io_returns_within_its_timeout(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    tier = DiskTier(str(tmp_path), 0, [torch.ones(2, 64, dtype=torch.uint8)])
+    release = threading.Event()
+    monkeypatch.setattr(tier, "_read_file", lambda path: release.wait() and b"")  # a hung mount
+    tier.submit_load(0, [("ab01", 0)])
+    start = time.monotonic()
+    assert tier.shutdown(timeout_s=0.2) is False  # the caller keeps the host memory alive
+    assert time.monotonic() - start < 2.0
+    assert os.path.isdir(tier.root)  # not removed under a running IO
+    release.set()

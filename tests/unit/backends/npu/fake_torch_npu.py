@@ -60,7 +60,7 @@ class FakeStream:
         self.log.append(("wait", event.handle, self.npu.acl_calls()))
 
     def synchronize(self) -> None:
-        pass
+        self.log.append(("synchronize", None, self.npu.acl_calls()))
 
 
 class FakeNpuModule:

@@ -190,9 +190,13 @@ def test_shutdown_is_idempotent_and_keeps_host_memory(npu_env, kv):
     backend = npu_env.backend("full")
     before = npu_env.acl.live_host_allocs()
     rig = bind_rig(backend, kv)
-    backend.shutdown()
+    copy_streams = list(backend._streams.values())
+    assert len(copy_streams) == 2
+    assert backend.shutdown() is True
     backend.shutdown()
     assert backend._streams == {}
+    for stream in copy_streams:  # drained before the caller frees the host memory
+        assert [e for e in stream.log if e[0] == "synchronize"]
     assert npu_env.acl.live_host_allocs() == before + 1  # the caller frees it, after shutdown
     backend.free_host(rig.host)
     assert npu_env.acl.live_host_allocs() == before
