@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
 from kvoffload_hal.hal.registry import get_backend_class
 
@@ -40,6 +41,7 @@ class Capabilities:
 def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
                          backend: str | None = None) -> Capabilities:
     """``backend``: a ``KVOFFLOAD_HAL_BACKEND`` value (default: the variable's)."""
+    vllm_compat.check_supported(kv_cache_config)
     num_groups = len(kv_cache_config.kv_cache_groups)
     single_group = num_groups == 1
     synchronous_compute = get_backend_class(backend).synchronous_compute

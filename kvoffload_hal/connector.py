@@ -17,10 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 
+from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
 from kvoffload_hal.metrics import OffloadPromMetrics, OffloadStats
 from kvoffload_hal.scheduler import OffloadScheduler
@@ -41,7 +41,7 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
-            raise ValueError("HALOffloadConnector needs the KVCacheConfig (vLLM >= 0.32)")
+            raise ValueError("HALOffloadConnector needs the KVCacheConfig (vLLM >= 0.23)")
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError(
                 "HALOffloadConnector needs prefix caching: set enable_prefix_caching=True "
@@ -54,6 +54,13 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = OffloadScheduler(vllm_config, kv_cache_config, config)
         else:
             self.worker = OffloadWorker(vllm_config, kv_cache_config, config)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Sleep mode is refused (vLLM >= 0.33 asks; older releases have no sleep with
+        connectors): sleeping frees and remaps the device KV cache under copies in
+        flight and under the device addresses the copy backend has bound."""
+        return False
 
     # ---------------------------------------------------------- scheduler
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
@@ -88,9 +95,16 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.reset_cache()
 
     def has_pending_push_work(self) -> bool:
-        # Keeps an idle engine stepping until the last stores are confirmed:
-        # their device blocks stay pinned and their CPU copies unpublished
-        # until a step collects the results.
+        """Keeps an idle engine stepping until the last stores are confirmed.
+
+        Until a step collects a store's result, its device blocks stay pinned and
+        its CPU copy unpublished. vLLM < 0.32 never asks: there the last stores of
+        an engine that goes idle are confirmed by its next step (the next request).
+        That is safe: the pinned device blocks keep their hashes, so the device
+        prefix cache still serves them meanwhile, and nothing unconfirmed is ever
+        loaded from the CPU tier. On vLLM's CPU platform stores are confirmed in
+        the step that runs them, so nothing waits.
+        """
         return self.scheduler is not None and self.scheduler.has_pending_transfers()
 
     # ------------------------------------------------------------- worker
@@ -112,9 +126,10 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         sending, recving, _ = self.worker.get_finished(finished_req_ids)
         return sending or None, recving or None
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``KVConnectorTransferResults`` (vLLM >= 0.32; older releases call get_finished)."""
         sending, recving, failed = self.worker.get_finished(finished_req_ids)
-        return KVConnectorTransferResults(sending, recving, failed)
+        return vllm_compat.transfer_results(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

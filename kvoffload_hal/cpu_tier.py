@@ -20,8 +20,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
-from vllm.v1.core import kv_cache_coordinator
 from vllm.v1.core.kv_cache_utils import (
     get_block_hash,
     get_group_id,
@@ -29,6 +27,9 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+
+from kvoffload_hal import vllm_compat
+from kvoffload_hal.vllm_compat import MEDIUM_CPU
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,28 +71,16 @@ class CpuTier:
         config = derive_cpu_kv_cache_config(kv_cache_config, num_blocks)
         events = vllm_config.kv_events_config
         self.emit_kv_events = bool(events and events.enable_kv_cache_events)
-        # Through the module, at use time: platforms may patch the factory.
-        self.coordinator = kv_cache_coordinator.get_kv_cache_coordinator(
-            kv_cache_config=config,
-            max_model_len=vllm_config.model_config.max_model_len,
-            max_in_flight_tokens=vllm_config.max_in_flight_tokens,
-            use_eagle=False,
-            enable_caching=True,
-            enable_kv_cache_events=self.emit_kv_events,
-            dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
-            pcp_world_size=1,
-            scheduler_block_size=block_size,
-            hash_block_size=hash_block_size,
-            # Copies are whole blocks, so hits must end on a block boundary.
-            allow_partial_hash_hits=False,
-        )
+        self.coordinator = vllm_compat.make_coordinator(
+            vllm_config, config, block_size=block_size, hash_block_size=hash_block_size,
+            enable_kv_cache_events=self.emit_kv_events)
         self.pool = self.coordinator.block_pool
         # Evictions from this pool are evictions from CPU memory: label its KV
         # events so a KV-aware router does not take them for device ones.
         self.pool.medium = MEDIUM_CPU
-        self.group_block_sizes: list[int] = list(self.coordinator.group_block_sizes)
+        self.group_block_sizes: list[int] = list(vllm_compat.group_block_sizes(self.coordinator))
         self.cacheable_groups = [
-            g for g in config.prefix_cacheable_group_ids
+            g for g in vllm_compat.prefix_cacheable_group_ids(config)
             if getattr(self.coordinator.single_type_managers[g],
                        "has_positionally_stable_blocks", True)
         ]
@@ -111,9 +100,8 @@ class CpuTier:
         if (self._probe_first_block and self._hash_map.get_one_block(
                 make_block_hash_with_group_id(block_hashes[first], 0)) is None):
             return _NO_HIT
-        hit, num_tokens, _ = self.coordinator.find_longest_cache_hit(
-            block_hashes[first:], max_tokens)
-        return hit, num_tokens
+        return vllm_compat.find_longest_cache_hit(self.coordinator, block_hashes[first:],
+                                                  max_tokens)
 
     def holds(self, block_hash: Any) -> bool:
         """Whether a block is published under ``block_hash`` (hash with group id)."""
@@ -154,9 +142,8 @@ class CpuTier:
     def publish(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[Any]) -> None:
         """Make each block findable under its hash; its bytes are already in place."""
         for block, block_hash in zip(blocks, hashes):
-            # vLLM has no public "insert this hash" call; this is the one place
-            # coupled to a private BlockPool method.
-            self.pool._insert_block_hash(block_hash, block, num_tokens=None)
+            # vLLM has no public "insert this hash" call (see vllm_compat).
+            vllm_compat.insert_block_hash(self.pool, block_hash, block)
         if self.emit_kv_events:
             self._queue_stored_events(hashes)
 
@@ -178,11 +165,11 @@ class CpuTier:
         queue = self.pool.kv_event_queue
         for key in hashes:
             group = get_group_id(key)
-            queue.append(BlockStored(
+            queue.append(vllm_compat.block_stored(
                 block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
                 parent_block_hash=None, token_ids=[],
                 block_size=self.group_block_sizes[group], lora_id=None,
                 medium=MEDIUM_CPU, lora_name=None, group_idx=group, locality="LOCAL"))
 
     def take_events(self) -> Iterable[Any]:
-        return self.pool.take_events()
+        return vllm_compat.label_events(self.pool.take_events(), MEDIUM_CPU)

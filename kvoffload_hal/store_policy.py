@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, SlidingWindowSpec
 
+from kvoffload_hal import vllm_compat
+
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -218,7 +220,7 @@ class LazyPolicy(StorePolicy):
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
         if self.gpu_pool is None:
             return
-        free_queue = self.gpu_pool.free_block_queue.iter_blocks_after(None)
+        free_queue = vllm_compat.iter_free_blocks(self.gpu_pool.free_block_queue)
         for n, block in enumerate(free_queue):
             if n >= self.window_blocks or picker.full:
                 break

@@ -42,6 +42,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from kvoffload_hal import vllm_compat  # noqa: E402
 from kvoffload_hal.connector import HALOffloadConnector  # noqa: E402
 from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata  # noqa: E402
 
@@ -196,7 +197,7 @@ class Engine:
             sampled.append([self.model.next_token(req)] if done_prefill else [])
         if not so.has_sync_kv_loads:
             self.worker.start_load_kv(None)
-        results = self.worker.get_transfer_results(so.finished_req_ids)
+        recving, failed = self._transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
         stray = [(r, b) for r, b in wrong_reads if b not in errors]
         assert not stray, f"wrong KV read, not reported as a failed load: {stray[:5]}"
@@ -208,9 +209,9 @@ class Engine:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
-                finished_recving=results.finished_recving,
-                failed_recving=results.failed_recving,
-                kv_connector_worker_meta=worker_meta, invalid_block_ids=errors),
+                finished_recving=recving, kv_connector_worker_meta=worker_meta,
+                invalid_block_ids=errors,
+                **({"failed_recving": failed} if vllm_compat.REPORTS_FAILED_RECVING else {})),
         )
         engine_outputs = self.scheduler.update_from_output(so, output)
         for eco in engine_outputs.values():
@@ -221,6 +222,14 @@ class Engine:
         self.steps += 1
         if not so.num_scheduled_tokens:
             time.sleep(0.001)  # an idle engine step is short: let the copy thread run
+
+    def _transfer_results(self, finished: set[str]) -> tuple[set[str], set[str]]:
+        """As the model runner of this vLLM asks for them: (finished, failed) loads."""
+        if vllm_compat.HAS_TRANSFER_RESULTS:
+            results = self.worker.get_transfer_results(finished)
+            return results.finished_recving, results.failed_recving
+        _, recving = self.worker.get_finished(finished)
+        return recving or set(), set()
 
     def run_until_done(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):

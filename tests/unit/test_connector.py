@@ -66,3 +66,10 @@ def test_stats_aggregate_reduce_and_prometheus_names():
     for key in COUNTERS:
         assert registry.get_sample_value(f"vllm:kvoffload_hal_{key}_total",
                                          {"engine": "0"}) is not None or merged.get(key, 0) == 0
+
+
+def test_sleep_mode_is_refused_through_the_connector_api():
+    from kvoffload_hal.connector import HALOffloadConnector
+    from kvoffload_hal.inprocess import offload_transfer_config
+
+    assert HALOffloadConnector.supports_sleep_mode(offload_transfer_config()) is False

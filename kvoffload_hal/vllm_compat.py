@@ -1,0 +1,171 @@
+"""Every difference between the vLLM releases this package supports, in one place.
+
+Supported: vLLM 0.23 (the release the latest stable vllm-ascend runs on) to
+0.33. Each difference is detected on the objects themselves (a field, an
+attribute, a parameter), never from a version string: vllm-ascend and other
+builds patch vLLM at run time, and a feature check follows what is really there.
+The rest of the package calls these helpers and reads as if there were one vLLM.
+
+=================================  ==================  ===============================
+what                               missing before      here
+=================================  ==================  ===============================
+``KVConnectorTransferResults``,    0.32                :func:`transfer_results`; older
+``get_transfer_results``                               releases call ``get_finished``
+``KVConnectorOutput                0.32                :data:`REPORTS_FAILED_RECVING`;
+.failed_recving``                                      without it a failed load can be
+                                                       reported per block for one KV
+                                                       cache group only, so models with
+                                                       more are refused at start-up
+``get_kv_cache_coordinator``       (changed)           :func:`make_coordinator` passes
+keyword arguments                                      the arguments the factory names
+``find_longest_cache_hit``         (2 values, not 3)   :func:`find_longest_cache_hit`
+``coordinator.group_block_sizes``  0.32                :func:`group_block_sizes`
+``KVCacheConfig                    0.32                :func:`prefix_cacheable_group_ids`
+.prefix_cacheable_group_ids``
+``BlockPool._insert_block_hash``   0.32                :func:`insert_block_hash`
+``MEDIUM_CPU``, ``BlockPool        0.32                :data:`MEDIUM_CPU`,
+.medium``, ``BlockStored                               :func:`block_stored`,
+(locality=)``                                          :func:`label_events`
+``FreeKVCacheBlockQueue            0.32                :func:`iter_free_blocks`
+.iter_blocks_after``
+``has_pending_push_work``          0.32 (never         see ``HALOffloadConnector``: the
+                                   called before)      last stores of an idle engine
+                                                       wait for its next step
+=================================  ==================  ===============================
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed import kv_events
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as connector_base
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.outputs import KVConnectorOutput
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+MEDIUM_CPU: str = getattr(kv_events, "MEDIUM_CPU", "CPU")
+_TransferResults = getattr(connector_base, "KVConnectorTransferResults", None)
+HAS_TRANSFER_RESULTS: bool = _TransferResults is not None
+REPORTS_FAILED_RECVING: bool = "failed_recving" in getattr(
+    KVConnectorOutput, "__dataclass_fields__", {})
+_BLOCK_STORED_FIELDS = frozenset(getattr(kv_events.BlockStored, "__struct_fields__", ()))
+
+
+# ---------------------------------------------------------------- connector
+def transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> Any:
+    """The value of ``get_transfer_results`` (only releases that have the type call it)."""
+    if _TransferResults is None:
+        raise RuntimeError("this vLLM has no KVConnectorTransferResults; it calls get_finished")
+    return _TransferResults(sending, recving, failed)
+
+
+def check_supported(kv_cache_config: KVCacheConfig) -> None:
+    """Refuse at start-up what this vLLM cannot do safely, with one line."""
+    num_groups = len(kv_cache_config.kv_cache_groups)
+    if num_groups > 1 and not REPORTS_FAILED_RECVING:
+        raise ValueError(
+            f"HALOffloadConnector: this model has {num_groups} KV cache groups, but this vLLM "
+            "can report a failed KV load only for models with one (no "
+            "KVConnectorOutput.failed_recving); expected one KV cache group, or vLLM >= 0.32")
+
+
+# -------------------------------------------------------------- coordinator
+def make_coordinator(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
+                     block_size: int, hash_block_size: int,
+                     enable_kv_cache_events: bool) -> Any:
+    """A prefix-caching ``KVCacheCoordinator`` over ``kv_cache_config``.
+
+    The factory is looked up through its module at call time (vllm-ascend
+    replaces it) and given the keyword arguments it names: releases differ in
+    ``max_in_flight_tokens``/``max_num_batched_tokens``, ``scheduler_block_size``
+    and ``allow_partial_hash_hits`` (where missing, hits already end on a block).
+    """
+    factory = kv_cache_coordinator.get_kv_cache_coordinator
+    batched = vllm_config.scheduler_config.max_num_batched_tokens
+    offered = dict(
+        kv_cache_config=kv_cache_config,
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_in_flight_tokens=getattr(vllm_config, "max_in_flight_tokens", batched),
+        max_num_batched_tokens=batched,
+        use_eagle=False,
+        enable_caching=True,
+        enable_kv_cache_events=enable_kv_cache_events,
+        dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
+        pcp_world_size=1,
+        scheduler_block_size=block_size,
+        hash_block_size=hash_block_size,
+        # Copies are whole blocks, so hits must end on a block boundary.
+        allow_partial_hash_hits=False,
+    )
+    accepted = inspect.signature(factory).parameters
+    return factory(**{k: v for k, v in offered.items() if k in accepted})
+
+
+def find_longest_cache_hit(coordinator: Any, block_hashes: Sequence[Any],
+                           max_tokens: int) -> tuple[Any, int]:
+    """``(blocks per group, tokens)``; newer releases return a third value, unused here."""
+    found = coordinator.find_longest_cache_hit(block_hashes, max_tokens)
+    return found[0], found[1]
+
+
+def group_block_sizes(coordinator: Any) -> tuple[int, ...]:
+    sizes = getattr(coordinator, "group_block_sizes", None)
+    if sizes is None:
+        sizes = [manager.block_size for manager in coordinator.single_type_managers]
+    return tuple(sizes)
+
+
+def prefix_cacheable_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    ids = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
+    if ids is None:  # every group is prefix-cached (only one is supported there)
+        ids = range(len(kv_cache_config.kv_cache_groups))
+    return tuple(ids)
+
+
+# ---------------------------------------------------------------- block pool
+def insert_block_hash(pool: BlockPool, block_hash: Any, block: KVCacheBlock) -> None:
+    """Make ``block`` findable under ``block_hash`` in ``pool``'s prefix cache."""
+    insert = getattr(pool, "_insert_block_hash", None)
+    if insert is not None:
+        insert(block_hash, block, num_tokens=None)
+        return
+    # One hash per block, as that release's own cache_full_blocks does it.
+    block.block_hash = block_hash
+    pool.cached_block_hash_to_block.insert(block_hash, block)
+
+
+def iter_free_blocks(queue: FreeKVCacheBlockQueue) -> Iterator[KVCacheBlock]:
+    """The free queue from its head (next to be evicted) on."""
+    iterate = getattr(queue, "iter_blocks_after", None)
+    if iterate is not None:
+        yield from iterate(None)
+        return
+    block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
+    while block is not None and block is not tail:
+        yield block
+        block = block.next_free_block
+
+
+# -------------------------------------------------------------------- events
+def block_stored(**fields: Any) -> Any:
+    """A ``BlockStored`` event; ``locality`` only where the field exists."""
+    if "locality" not in _BLOCK_STORED_FIELDS:
+        fields.pop("locality", None)
+    return kv_events.BlockStored(**fields)
+
+
+def label_events(events: Iterable[Any], medium: str) -> list[Any]:
+    """``events`` of a pool whose blocks live on ``medium``: releases without
+    ``BlockPool.medium`` label every event of a pool as device memory."""
+    import msgspec
+
+    return [e if getattr(e, "medium", medium) in (medium, None)
+            else msgspec.structs.replace(e, medium=medium) for e in events]
