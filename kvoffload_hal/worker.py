@@ -25,6 +25,7 @@ import torch
 from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.hal import Direction, DmaCopyBackend, JobResult, TransferJob, create_backend
+from kvoffload_hal.hal.layouts import describe_kv_caches, flatten_kv_caches
 from kvoffload_hal.hal.regions import BlockRegion, host_bytes_per_block, host_regions_for
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import (
@@ -94,8 +95,7 @@ class OffloadWorker:
             raise ValueError("HALOffloadConnector: no KV cache tensors to offload")
         check_capacity(self.config, self.world_size, before_allocating=True)
         backend = create_backend(device=tensors[0].device)
-        regions = list(dict.fromkeys(
-            r for t in tensors for r in backend.describe_kv_tensor(t, self.num_gpu_blocks)))
+        regions = describe_kv_caches(kv_caches, self.num_gpu_blocks, backend.describe_kv_tensor)
         bytes_per_block = host_bytes_per_block(regions)
         self.host_buffer = backend.allocate_host(self.num_cpu_blocks * bytes_per_block)
         host_regions = host_regions_for(regions, self.host_buffer.data_ptr(), self.num_cpu_blocks)
@@ -272,16 +272,17 @@ class OffloadWorker:
 
 
 def _unique_tensors(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Flatten per-layer entries (a tensor, or a list of tensors for K/V or state) and
-    drop views that alias one another (layers of HMA groups share tensors)."""
+    """Flatten per-layer entries (a tensor, or a list/tuple of tensors for K/V, MLA,
+    sparse indexers or state) and drop exact aliases (layers of HMA groups share
+    tensors). Views that only overlap are kept here; their regions are merged by
+    :func:`~kvoffload_hal.hal.layouts.describe_kv_caches`."""
     seen: set[tuple] = set()
     out = []
-    for value in kv_caches.values():
-        for t in (value if isinstance(value, (list, tuple)) else [value]):
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-            if key not in seen:
-                seen.add(key)
-                out.append(t)
+    for _, t in flatten_kv_caches(kv_caches):
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
     return out
 
 

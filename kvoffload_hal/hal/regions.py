@@ -67,12 +67,23 @@ def describe_kv_tensor(tensor: torch.Tensor, num_blocks: int) -> list[BlockRegio
     (padding inside the span is copied along, which is harmless; padding
     between blocks, as in Ascend's 2 MiB-aligned K/V tensors, is not).
 
+    Failing that, an *outermost* dimension (largest stride) of extent
+    ``k * num_blocks`` is the block dimension, block ``i`` owning its rows
+    ``[i * k, (i + 1) * k)``: vllm-ascend's kernel-block split
+    (``num_blocks * (block_size // kernel_block_size)`` rows) and its
+    DCP-replicated sparse indexer (``num_blocks * replicated_size`` rows) map a
+    block to consecutive rows. The rows of one block share the dimension's
+    stride, so they are evenly strided by construction. Only the outermost
+    dimension qualifies, and only when no dimension of extent ``num_blocks``
+    does, so that a per-token axis whose extent happens to be a multiple of the
+    block count is never read as blocks.
+
     A candidate is consistent when the block's inner span fits in its stride
     and every outer dimension strides over all blocks. When several candidates
-    are consistent (another dimension happens to have extent ``num_blocks``),
-    the outermost wins: vLLM's layouts put the block axis outside every
-    per-token axis. The one layout this cannot tell apart is a K/V-outer
-    ``(2, 2, ...)`` cache of exactly two blocks.
+    are consistent (another dimension happens to have a fitting extent), the
+    one with the largest block stride wins: vLLM's layouts put the block axis
+    outside every per-token axis. The one layout this cannot tell apart is a
+    K/V-outer ``(2, 2, ...)`` cache of exactly two blocks.
 
     Raises ``ValueError`` when no consistent decomposition exists.
     """
@@ -83,39 +94,67 @@ def describe_kv_tensor(tensor: torch.Tensor, num_blocks: int) -> list[BlockRegio
     strides = [s * elt for s in tensor.stride()]
     if any(s < 0 for s in strides):
         raise ValueError(f"negative strides are not supported: {tensor.stride()}")
-    candidates = [d for d, n in enumerate(shape) if n == num_blocks]
-    if not candidates:
+    attempts = {(d, 1): _decompose(shape, strides, d, elt, num_blocks)
+                for d, n in enumerate(shape) if n == num_blocks}
+    valid = [c for c, r in attempts.items() if not isinstance(r, str)]
+    if not valid:
+        attempts.update(_grouped_rows_attempt(shape, strides, elt, num_blocks))
+        valid = [c for c, r in attempts.items() if not isinstance(r, str)]
+    if not attempts:
         raise ValueError(
-            f"no dimension of shape {tuple(shape)} has the block count {num_blocks}"
+            f"no dimension of shape {tuple(shape)} strides {tensor.stride()} has the block "
+            f"count {num_blocks}; expected one of extent {num_blocks}, or an outermost one "
+            f"of {num_blocks} x k rows"
         )
-
-    def decompose(block_dim: int) -> tuple[list[int], int] | str:
-        stride = strides[block_dim]
-        others = [d for d in range(len(shape)) if d != block_dim and shape[d] > 1]
-        outer = [d for d in others if strides[d] > stride]
-        inner = [d for d in others if strides[d] <= stride]
-        block_bytes = sum((shape[d] - 1) * strides[d] for d in inner) + elt
-        if num_blocks > 1 and block_bytes > stride:
-            return (f"blocks overlap: block dim {block_dim} strides {stride} B but a "
-                    f"block spans {block_bytes} B")
-        for d in outer:
-            if strides[d] < num_blocks * stride:
-                return (f"dimension {d} interleaves with the blocks (stride {strides[d]} B "
-                        f"< {num_blocks} blocks x {stride} B)")
-        return outer, block_bytes
-
-    attempts = {d: decompose(d) for d in candidates}
-    valid = [d for d, r in attempts.items() if not isinstance(r, str)]
     if not valid:
         reasons = "; ".join(str(r) for r in attempts.values())
-        raise ValueError(f"shape {tuple(shape)} strides {tensor.stride()}: {reasons}")
-    block_dim = max(valid, key=lambda d: strides[d])
-    outer, block_bytes = attempts[block_dim]
+        raise ValueError(
+            f"shape {tuple(shape)} strides {tensor.stride()}: {reasons}; expected a dimension "
+            f"of extent {num_blocks} (or an outermost one of {num_blocks} x k rows) outside "
+            f"every other dimension"
+        )
+    outer, block_bytes, block_stride = attempts[max(valid, key=lambda c: attempts[c][2])]
+    base = tensor.data_ptr()
+    return [BlockRegion(base + o, num_blocks, block_bytes, block_stride) for o in outer]
+
+
+def _grouped_rows_attempt(shape: list[int], strides: list[int], elt: int,
+                          num_blocks: int) -> dict[tuple[int, int], tuple | str]:
+    """The outermost dimension read as ``num_blocks`` groups of ``k`` consecutive rows,
+    when its extent is ``k * num_blocks`` with ``k > 1``; empty otherwise."""
+    sized = [d for d in range(len(shape)) if shape[d] > 1]
+    if not sized:
+        return {}
+    dim = max(sized, key=lambda d: strides[d])
+    rows, rest = divmod(shape[dim], num_blocks)
+    if rest or rows < 2:
+        return {}
+    # Split dim into (blocks, rows per block); the rows become an inner dimension.
+    split_shape = shape[:dim] + [num_blocks, rows] + shape[dim + 1:]
+    split_strides = strides[:dim] + [rows * strides[dim], strides[dim]] + strides[dim + 1:]
+    return {(dim, rows): _decompose(split_shape, split_strides, dim, elt, num_blocks)}
+
+
+def _decompose(shape: list[int], strides: list[int], block_dim: int, elt: int,
+               num_blocks: int) -> tuple[list[int], int, int] | str:
+    """``(outer offsets, block bytes, block stride)`` with ``block_dim`` as the block
+    dimension, or the reason it is not one."""
+    stride = strides[block_dim]
+    others = [d for d in range(len(shape)) if d != block_dim and shape[d] > 1]
+    outer = [d for d in others if strides[d] > stride]
+    inner = [d for d in others if strides[d] <= stride]
+    block_bytes = sum((shape[d] - 1) * strides[d] for d in inner) + elt
+    if num_blocks > 1 and block_bytes > stride:
+        return (f"blocks overlap: block dim {block_dim} strides {stride} B but a "
+                f"block spans {block_bytes} B")
+    for d in outer:
+        if strides[d] < num_blocks * stride:
+            return (f"dimension {d} interleaves with the blocks (stride {strides[d]} B "
+                    f"< {num_blocks} blocks x {stride} B)")
     offsets = [0]
     for d in outer:
         offsets = [o + i * strides[d] for o in offsets for i in range(shape[d])]
-    base = tensor.data_ptr()
-    return [BlockRegion(base + o, num_blocks, block_bytes, strides[block_dim]) for o in offsets]
+    return offsets, block_bytes, stride
 
 
 def host_regions_for(
