@@ -223,7 +223,7 @@ class OffloadScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         invalid = output.invalid_block_ids or set()
-        failed = output.failed_recving or set()
+        failed = getattr(output, "failed_recving", None) or set()  # vLLM >= 0.32
         for req_id in output.finished_recving or ():
             load = self._loads.pop(req_id, None)
             if load is not None:

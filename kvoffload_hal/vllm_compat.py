@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 MEDIUM_CPU: str = getattr(kv_events, "MEDIUM_CPU", "CPU")
 _TransferResults = getattr(connector_base, "KVConnectorTransferResults", None)
 HAS_TRANSFER_RESULTS: bool = _TransferResults is not None
+# Whether an idle engine keeps stepping while the connector has push work.
+STEPS_FOR_PUSH_WORK: bool = hasattr(connector_base.KVConnectorBase_V1, "has_pending_push_work")
 REPORTS_FAILED_RECVING: bool = "failed_recving" in getattr(
     KVConnectorOutput, "__dataclass_fields__", {})
 _BLOCK_STORED_FIELDS = frozenset(getattr(kv_events.BlockStored, "__struct_fields__", ()))

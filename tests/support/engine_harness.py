@@ -50,6 +50,14 @@ HEADS, HEAD_DIM = 1, 32  # one KV "page" per token: 2 (K, V) x 1 x 32 bf16 = 128
 VOCAB = 97
 
 
+def _kv_cache_tensor(page: int, num_blocks: int, layers: list[str]) -> KVCacheTensor:
+    """One KV tensor shared by ``layers``, in the fields of this vLLM's ``KVCacheTensor``."""
+    if "layers" in KVCacheTensor.__dataclass_fields__:  # vLLM >= 0.32: placement explicit
+        return KVCacheTensor(size=page * num_blocks, layers=layers,
+                             layer_stride=page * num_blocks, block_stride=page)
+    return KVCacheTensor(size=page * num_blocks, shared_by=layers)
+
+
 def token_kv(prefix_digest: bytes) -> torch.Tensor:
     """The bytes a token's K and V hold: a function of the whole prefix up to it."""
     raw = (prefix_digest * (2 * HEADS * HEAD_DIM * 2 // len(prefix_digest) + 1))
@@ -118,9 +126,8 @@ class Engine:
         page = groups[0].page_size_bytes
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_gpu_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_gpu_blocks,
-                                            layers=[f"layer.{g}" for g in range(len(groups))],
-                                            layer_stride=page * num_gpu_blocks, block_stride=page)],
+            kv_cache_tensors=[_kv_cache_tensor(page, num_gpu_blocks,
+                                               [f"layer.{g}" for g in range(len(groups))])],
             kv_cache_groups=[KVCacheGroupSpec([f"layer.{g}"], spec)
                              for g, spec in enumerate(groups)],
         )
@@ -184,7 +191,9 @@ class Engine:
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         # As vLLM's model runner: synchronous loads before the forward pass.
-        if so.has_sync_kv_loads:
+        # vLLM < 0.32 has no such flag and always calls start_load_kv before the pass.
+        load_first = getattr(so, "has_sync_kv_loads", True)
+        if load_first:
             self.worker.start_load_kv(None)
         req_ids, sampled, wrong_reads = [], [], []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -195,7 +204,7 @@ class Engine:
             req_ids.append(req_id)
             done_prefill = end >= req.num_tokens
             sampled.append([self.model.next_token(req)] if done_prefill else [])
-        if not so.has_sync_kv_loads:
+        if not load_first:
             self.worker.start_load_kv(None)
         recving, failed = self._transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvoffload_hal import vllm_compat
 from support import backend_doubles
 
 BS = 16
@@ -64,8 +65,7 @@ def test_last_block_of_a_request_finishing_in_that_step_is_stored(make_engine):
     engine.drain()
     # The step that computed token 47 (completing block 3) also finished the request.
     assert req.num_computed_tokens == 48
-    hit_blocks, hit_tokens, _ = engine.offload.cpu.coordinator.find_longest_cache_hit(
-        req.block_hashes, 10_000)
+    _, hit_tokens = engine.offload.cpu.find_hit(req.block_hashes, 0, 10_000)
     assert hit_tokens == 48
     assert engine.offload.totals.data["blocks_stored"] == 3
     engine.assert_idle()
@@ -93,9 +93,18 @@ def test_an_idle_engine_keeps_stepping_until_its_stores_are_confirmed(make_engin
     while not engine.finished:
         engine.step()
     assert engine.offload.has_pending_transfers()
-    assert engine.scheduler.has_requests()  # only because of the connector's push work
-    engine.run_until_done()
-    assert engine.offload.totals.data["blocks_stored"] == 3  # 47 + 1 computed tokens
+    if vllm_compat.STEPS_FOR_PUSH_WORK:
+        assert engine.scheduler.has_requests()  # only because of the connector's push work
+        engine.run_until_done()
+    else:
+        # This vLLM never asks: an engine that goes idle confirms its last stores
+        # in the steps of its next request (what the connector documents).
+        engine.run_until_done()
+        engine.add("next", _docs(1, 47, seed=1)[0], max_tokens=2)
+        engine.run_until_done()
+        engine.drain()
+    stored = 3 if vllm_compat.STEPS_FOR_PUSH_WORK else 6  # 47 + 1 computed tokens each
+    assert engine.offload.totals.data["blocks_stored"] == stored
     engine.assert_idle()
 
 
@@ -332,6 +341,13 @@ def test_reset_cache_forgets_prefixes_and_drops_stores_in_flight(make_engine):
 
 
 def test_sliding_window_group_next_to_full_attention(make_engine):
+    from kvoffload_hal import vllm_compat
+
+    if not vllm_compat.REPORTS_FAILED_RECVING:
+        # A failed load of a hybrid model cannot be reported on this vLLM: refused.
+        with pytest.raises(ValueError, match="2 KV cache groups.*vLLM >= 0.32"):
+            make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=128)
+        return
     engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=128)
     assert len(engine.offload.cpu.group_block_sizes) == 2
     _two_passes(engine, _docs(6, 80))
