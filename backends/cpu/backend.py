@@ -62,6 +62,11 @@ class CpuCopyBackend(ThreadedCopyBackend):
             log_once(logger, logging.WARNING, "kvoffload_hal: the _hostcopy extension is not "
                      "built; the CPU backend copies with a slower Python loop")
 
+    @property
+    def copy_path(self) -> str:
+        """How batches are copied: the ``_hostcopy`` C extension, or the Python fallback."""
+        return "_hostcopy.copy_batch (C)" if _hostcopy is not None else "ctypes.memmove loop"
+
     def allocate_host(self, num_bytes: int) -> torch.Tensor:
         if num_bytes <= 0:
             raise ValueError(f"host allocation must be positive, got {num_bytes} bytes")
