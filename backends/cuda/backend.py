@@ -99,6 +99,18 @@ class CudaCopyBackend(ThreadedCopyBackend):
         """The copy path in use (batch ABI or the loop); None before bind."""
         return self._copier.path if self._copier is not None else None
 
+    @property
+    def runtime_version(self) -> str | None:
+        """The driver's CUDA version ("12.8", from ``cuDriverGetVersion``); None before the
+        driver is loaded (``allocate_host`` or ``bind``) or when the call fails."""
+        if self._driver is None:
+            return None
+        try:
+            version = self._driver.driver_version()
+        except Exception:  # noqa: BLE001 - informative only
+            return None
+        return f"{version // 1000}.{version % 1000 // 10}"
+
     # ------------------------------------------------------------ probing
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -157,6 +157,19 @@ class AclRuntime:
         self._synchronize_stream.argtypes = [_P]
         self._synchronize_stream.restype = ctypes.c_int
 
+    def version(self) -> str | None:
+        """``aclrtGetVersion`` as "major.minor.patch"; None when the runtime does not
+        export it or the call fails (informative only, never needed for copies)."""
+        if not _has(self.lib, "aclrtGetVersion"):
+            return None
+        get_version = self.lib.aclrtGetVersion
+        get_version.argtypes = [ctypes.POINTER(ctypes.c_int32)] * 3
+        get_version.restype = ctypes.c_int
+        parts = [ctypes.c_int32(0) for _ in range(3)]
+        if get_version(*(ctypes.byref(p) for p in parts)) != ACL_SUCCESS:
+            return None
+        return ".".join(str(p.value) for p in parts)
+
     # ------------------------------------------------------------ host memory
     def malloc_host(self, num_bytes: int) -> int:
         """Pinned host memory (64-byte aligned) of ``num_bytes``; returns its address."""

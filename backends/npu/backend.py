@@ -123,6 +123,11 @@ class NpuCopyBackend(ThreadedCopyBackend):
         """The ACL symbol block copies go through (batch V2, batch, or per-copy)."""
         return self._acl.path
 
+    @property
+    def runtime_version(self) -> str | None:
+        """The AscendCL version (``aclrtGetVersion``, "major.minor.patch"), or None."""
+        return self._acl.version()
+
     # ------------------------------------------------------------ host memory
     def allocate_host(self, num_bytes: int) -> torch.Tensor:
         """One contiguous ``aclrtMallocHost`` block as a 1-D uint8 tensor.

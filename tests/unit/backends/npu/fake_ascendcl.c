@@ -11,6 +11,7 @@
  *   -DFAKE_NO_V2      do not export aclrtMemcpyBatchAsyncV2 (CANN 8.3 - 9.0)
  *   -DFAKE_NO_V1      do not export the 10-argument aclrtMemcpyBatchAsync (V2 only)
  *   -DFAKE_FAIL_INDEX=n  the 10-argument batch fails at descriptor n (when it exists)
+ *   -DFAKE_NO_GET_VERSION  do not export aclrtGetVersion
  * Build both NO flags for a runtime without any batch symbol (per-copy fallback).
  *
  * At run time, fake_fail_call(n, code) makes the n-th copy call (batch or
@@ -104,6 +105,20 @@ void fake_reset(void) {
     g_last_sync_stream = 0;
     pthread_mutex_unlock(&g_lock);
 }
+
+/* ----------------------------------------------------------- version */
+#ifndef FAKE_NO_GET_VERSION
+#define FAKE_ACL_VERSION_MAJOR 9
+#define FAKE_ACL_VERSION_MINOR 1
+#define FAKE_ACL_VERSION_PATCH 0
+aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion, int32_t *patchVersion) {
+    if (!majorVersion || !minorVersion || !patchVersion) return ACL_ERROR_INVALID_PARAM;
+    *majorVersion = FAKE_ACL_VERSION_MAJOR;
+    *minorVersion = FAKE_ACL_VERSION_MINOR;
+    *patchVersion = FAKE_ACL_VERSION_PATCH;
+    return ACL_SUCCESS;
+}
+#endif
 
 /* ----------------------------------------------------------- host memory */
 aclError aclrtMallocHost(void **hostPtr, size_t size) {
