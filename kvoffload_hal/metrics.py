@@ -28,6 +28,8 @@ COUNTERS: dict[str, str] = {
     "failed_jobs": "Copy jobs that failed (their blocks are recomputed, never used)",
     "blocks_to_disk": "KV blocks written from the CPU tier to the disk tier",
     "blocks_from_disk": "KV blocks promoted from the disk tier to the CPU tier",
+    "copy_path_fallbacks": "Workers whose backend left its batched copy call for a per-copy "
+                           "loop because the runtime answered 'not supported'",
 }
 
 
@@ -49,6 +51,9 @@ class _Recorder:
             self._add("blocks_to_disk", spilled)
         if promoted:
             self._add("blocks_from_disk", promoted)
+
+    def record_copy_path_fallback(self) -> None:
+        self._add("copy_path_fallbacks", 1)
 
     def record_transfer(self, store: bool, num_bytes: int, seconds: float, ok: bool) -> None:
         if not ok:
@@ -105,6 +110,26 @@ class StatsLedger(_Recorder):
             return None
         step, self._step = self._step, OffloadStats()
         return step
+
+
+class CopyPathWatch:
+    """Counts the copy-path switches of one backend as the worker sees them.
+
+    A backend reports the call its copies go through as ``copy_path``. It
+    changes only when a batched call answers "not supported" (CUDA 801, ACL
+    207000) and the backend moves to a per-copy loop for good; :meth:`check`,
+    called after each collection of results, records each change once.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.path: str | None = getattr(backend, "copy_path", None)
+
+    def check(self, recorder: _Recorder) -> None:
+        path = getattr(self._backend, "copy_path", None)
+        if path != self.path:
+            recorder.record_copy_path_fallback()
+            self.path = path
 
 
 class OffloadPromMetrics(KVConnectorPromMetrics):

@@ -36,7 +36,7 @@ from kvoffload_hal.metadata import (
     StoreSpec,
     TierJobs,
 )
-from kvoffload_hal.metrics import OffloadStats, StatsLedger
+from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
 from kvoffload_hal.tiers.base import NullTier, SecondaryTier
 from kvoffload_hal.tiers.disk import DiskTier
 from kvoffload_hal.tiers.identity import kv_fingerprint
@@ -101,6 +101,7 @@ class OffloadWorker:
         host_regions = host_regions_for(regions, self.host_buffer.data_ptr(), self.num_cpu_blocks)
         backend.bind(regions, host_regions)
         self.backend = backend
+        self._copy_path = CopyPathWatch(backend)
         if self.caps.disk_tier:
             fingerprint = kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank)
             self.tier = DiskTier(self.config.disk_path, self.rank,
@@ -236,6 +237,7 @@ class OffloadWorker:
 
     # ------------------------------------------------------------ helpers
     def _collect(self, results: list[JobResult]) -> None:
+        self._copy_path.check(self.stats)
         for r in results:
             self.stats.record_transfer(r.direction is Direction.STORE, r.num_bytes,
                                        r.seconds, r.ok)

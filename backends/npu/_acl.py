@@ -23,17 +23,24 @@ when the runtime reports one, after waiting for the calls already enqueued, so
 a failed job has no copy still writing its destination (chunking and that wait
 are :func:`~kvoffload_hal.hal.plumbing.enqueue_in_chunks`). Copies within one
 call are unordered, exactly as the runtime documents for a batch.
+
+A batch call answering ``ACL_ERROR_RT_FEATURE_NOT_SUPPORT`` is not a failure:
+every CANN >= 8.3 exports the batch symbols, but chips without batch copy
+reject the call with that code. The runtime then switches for good to the
+``aclrtMemcpyAsync`` loop (logged once, counted in :attr:`AclRuntime.fallbacks`)
+and copies the rejected descriptors with it, so the job still succeeds.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload_hal.hal.plumbing import enqueue_in_chunks
+from kvoffload_hal.hal.plumbing import enqueue_in_chunks, log_once
 from kvoffload_hal.logger import init_logger
 
 logger = init_logger(__name__)
@@ -49,6 +56,10 @@ ACL_MEM_LOCATION_TYPE_DEVICE = 1
 ACL_MEMCPY_HOST_TO_DEVICE = 1
 ACL_MEMCPY_DEVICE_TO_HOST = 2
 ACL_SUCCESS = 0
+# ACL_ERROR_RT_FEATURE_NOT_SUPPORT: what aclrtMemcpyBatchAsync(V2) returns on chips the
+# CANN docs list as unsupported (Atlas training 910, Atlas inference 310P, Atlas 200I/500 A2),
+# although the symbols are exported on every CANN >= 8.3.
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 # failIndex is SIZE_MAX when the error is not tied to one descriptor.
 SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
 
@@ -144,6 +155,9 @@ class AclRuntime:
             self._batch = None
         if self._batch is not None:
             self._batch.restype = ctypes.c_int
+        #: Switches from a batch symbol to the per-copy loop (0 or 1): the chip said
+        #: ACL_ERROR_RT_FEATURE_NOT_SUPPORT. ``path`` is PER_COPY afterwards.
+        self.fallbacks = 0
         self._copy = lib.aclrtMemcpyAsync
         self._copy.argtypes = [_P, ctypes.c_size_t, _P, ctypes.c_size_t, ctypes.c_int, _P]
         self._copy.restype = ctypes.c_int
@@ -199,15 +213,16 @@ class AclRuntime:
         if not (dsts.size == srcs.size == lens.size):
             raise ValueError("descriptor arrays differ in length: "
                              f"{dsts.size}, {srcs.size}, {lens.size}")
-        attr = self._attr(to_device, device_id) if self._batch is not None else None
+        attr = self._attr(to_device, device_id)
 
         def enqueue(start: int, stop: int) -> int:
             """Descriptors ``[start, stop)``; returns the ACL copy calls made."""
-            if attr is None:
-                return self._copy_each(dsts, srcs, lens, start, stop, to_device, stream)
-            self._batch_call(_Pointers(dsts[start:stop], srcs[start:stop], lens[start:stop]),
-                             attr, start, stream)
-            return 1
+            # _batch is re-read per chunk: a call answering "not supported" clears it.
+            if self._batch is not None and self._batch_call(
+                    _Pointers(dsts[start:stop], srcs[start:stop], lens[start:stop]),
+                    attr, start, stream):
+                return 1
+            return self._copy_each(dsts, srcs, lens, start, stop, to_device, stream)
 
         return enqueue_in_chunks(lens.size, self.max_batch_descriptors, enqueue,
                                  lambda: self.synchronize_stream(stream))
@@ -226,7 +241,9 @@ class AclRuntime:
         attr.dstLoc, attr.srcLoc = (device, host) if to_device else (host, device)
         return attr
 
-    def _batch_call(self, p: _Pointers, attr: AclMemcpyBatchAttr, first: int, stream: int) -> None:
+    def _batch_call(self, p: _Pointers, attr: AclMemcpyBatchAttr, first: int,
+                    stream: int) -> bool:
+        """One batch call; False when the chip has no batch copy and the loop must do it."""
         count = p.sizes.size
         size_p = p.sizes.ctypes.data_as(_PSIZE)
         # One attribute covering every copy: attrsIndexes = [0], numAttrs = 1.
@@ -236,16 +253,32 @@ class AclRuntime:
                 ctypes.byref(attr), attrs_index, 1]
         if self.path == BATCH_V2:
             ret = self._batch(*args, stream)
+            if ret == ACL_ERROR_RT_FEATURE_NOT_SUPPORT:
+                return self._switch_to_per_copy()
             if ret != ACL_SUCCESS:
                 raise AclError(f"{BATCH_V2} of {count} copies (from descriptor {first}) "
                                f"failed with aclError {ret}")
-            return
+            return True
         fail_index = ctypes.c_size_t(SIZE_MAX)
         ret = self._batch(*args, ctypes.byref(fail_index), stream)
+        if ret == ACL_ERROR_RT_FEATURE_NOT_SUPPORT:
+            return self._switch_to_per_copy()
         if ret != ACL_SUCCESS:
             where = ("not tied to one copy" if fail_index.value == SIZE_MAX
                      else f"failIndex {first + fail_index.value}")
             raise AclError(f"{BATCH_V1} of {count} copies failed with aclError {ret} ({where})")
+        return True
+
+    def _switch_to_per_copy(self) -> bool:
+        """The chip rejected the batch call as unsupported: use the loop from now on."""
+        log_once(logger, logging.WARNING,
+                 "kvoffload_hal npu: %s answered ACL_ERROR_RT_FEATURE_NOT_SUPPORT (%d): this "
+                 "chip has no batch copy (CANN lists Atlas training 910, Atlas inference 310P, "
+                 "Atlas 200I/500 A2); copying with one %s per block run from now on",
+                 self.path, ACL_ERROR_RT_FEATURE_NOT_SUPPORT, PER_COPY)
+        self.path, self._batch = PER_COPY, None
+        self.fallbacks += 1
+        return False
 
     def _copy_each(self, dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray, start: int,
                    stop: int, to_device: bool, stream: int) -> int:

@@ -29,6 +29,10 @@ VARIANTS = {
     "v2": ["-DFAKE_NO_V1"],  # V2 only
     "none": ["-DFAKE_NO_V1", "-DFAKE_NO_V2"],  # older CANN: per-copy fallback
     "failing": ["-DFAKE_NO_V2", "-DFAKE_FAIL_INDEX=2"],  # 10-argument batch reports failIndex 2
+    # Chips without batch copy (910, 310P, 200I/500 A2): the symbols exist, the calls answer
+    # ACL_ERROR_RT_FEATURE_NOT_SUPPORT, on CANN 9.1+ (V2 first) and on 8.3 - 9.0.
+    "unsupported": ["-DFAKE_BATCH_UNSUPPORTED"],
+    "unsupported_v1": ["-DFAKE_NO_V2", "-DFAKE_BATCH_UNSUPPORTED"],
 }
 
 

@@ -16,13 +16,20 @@ class FakeAcl:
                    "fake_last_attr_index0", "fake_last_stream", "fake_last_sync_stream"):
             getattr(self.lib, fn).restype = ctypes.c_size_t
         for fn in ("fake_v1_calls", "fake_v2_calls", "fake_copy_calls", "fake_total_calls",
-                   "fake_live_host_allocs", "fake_sync_calls", "fake_sync_after_calls"):
+                   "fake_live_host_allocs", "fake_sync_calls", "fake_sync_after_calls",
+                   "fake_unsupported_calls"):
             getattr(self.lib, fn).restype = ctypes.c_long
+        self.lib.fake_add_device_memory.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                                    ctypes.c_uint32]
         self.lib.fake_fail_call.argtypes = [ctypes.c_long, ctypes.c_int]
         self.lib.fake_reset()
 
     def __getattr__(self, name: str):
         return getattr(self.lib, f"fake_{name}")
+
+    def declare_device_memory(self, base: int, num_bytes: int, device: int) -> None:
+        """From now on ``[base, base + num_bytes)`` is memory of NPU ``device`` (until reset)."""
+        assert self.lib.fake_add_device_memory(base, num_bytes, device) == 0, "too many ranges"
 
     def attr_bytes(self) -> bytes:
         buf = (ctypes.c_uint8 * 32)()

@@ -1,16 +1,29 @@
 /*
  * A fake libascendcl.so for CPU CI.
  *
- * It exports the AscendCL symbols the NPU backend binds, with their real C
- * signatures, performs real memcpy on host addresses (the tests' "device"
- * memory is host memory too), validates arguments the way the runtime
- * documents, and records what it was called with so the tests can check the
- * ABI as the C side sees it (struct size, field order, enum values).
+ * It exports the AscendCL symbols the NPU backend binds, compiled against the
+ * declarations in acl_rt_decls.h (each traced there to the CANN document it
+ * was read from), performs real memcpy on host addresses (the tests' "device"
+ * memory is host memory too), rejects what the runtime documents as invalid,
+ * and records what it was called with so the tests can check the ABI as the C
+ * side sees it (struct size, field order, enum values).
+ *
+ * Validation of a batch, as CANN documents it: non-NULL arrays, attrsIndexes[0]
+ * == 0 and strictly increasing, numAttrs <= numBatches, zeroed rsv, one of H2D
+ * or D2H per attribute, and per copy: non-NULL pointers, 0 < size <= destMax.
+ * Once a test declares "device" memory (fake_add_device_memory), every pointer
+ * is also checked against its side: the device side of an attribute must lie
+ * in memory of the attribute's device id, the host side outside all device
+ * memory (so a host-to-host or device-to-device copy is rejected), and
+ * aclrtMemcpyAsync's kind must match its pointers the same way.
  *
  * Compile-time variants:
  *   -DFAKE_NO_V2      do not export aclrtMemcpyBatchAsyncV2 (CANN 8.3 - 9.0)
  *   -DFAKE_NO_V1      do not export the 10-argument aclrtMemcpyBatchAsync (V2 only)
  *   -DFAKE_FAIL_INDEX=n  the 10-argument batch fails at descriptor n (when it exists)
+ *   -DFAKE_BATCH_UNSUPPORTED  the batch symbols exist but answer
+ *                     ACL_ERROR_RT_FEATURE_NOT_SUPPORT without copying, as on chips
+ *                     without batch copy (Atlas training 910, inference 310P, 200I/500 A2)
  *   -DFAKE_NO_GET_VERSION  do not export aclrtGetVersion
  * Build both NO flags for a runtime without any batch symbol (per-copy fallback).
  *
@@ -23,25 +36,11 @@
 #include <string.h>
 #include <unistd.h>
 
-typedef int aclError;
-typedef void *aclrtStream;
+#include "acl_rt_decls.h"
 
-typedef struct {
-    uint32_t id;
-    int type; /* aclrtMemLocationType */
-} aclrtMemLocation;
-
-typedef struct {
-    aclrtMemLocation dstLoc;
-    aclrtMemLocation srcLoc;
-    uint8_t rsv[16];
-} aclrtMemcpyBatchAttr;
-
-#define ACL_SUCCESS 0
-#define ACL_ERROR_INVALID_PARAM 100000
-#define ACL_ERROR_RT_PARAM_INVALID 107000
-#define LOC_HOST 0
-#define LOC_DEVICE 1
+#define LOC_HOST ACL_MEM_LOCATION_TYPE_HOST
+#define LOC_DEVICE ACL_MEM_LOCATION_TYPE_DEVICE
+#define MAX_DEVICE_RANGES 64
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static long g_v1_calls, g_v2_calls, g_copy_calls, g_total_calls;
@@ -55,6 +54,9 @@ static long g_attempts, g_fail_nth; /* copy calls tried since fake_fail_call; 0 
 static int g_fail_code;
 static long g_sync_calls, g_sync_after_calls; /* g_total_calls at the last synchronize */
 static uintptr_t g_last_sync_stream;
+static long g_unsupported_calls; /* batch calls answered ACL_ERROR_RT_FEATURE_NOT_SUPPORT */
+static struct { uintptr_t lo, hi; uint32_t device; } g_device[MAX_DEVICE_RANGES];
+static int g_num_device; /* 0: pointers are not classified (tests of plain buffers) */
 
 /* ----------------------------------------------------------- test hooks */
 int fake_attr_size(void) { return (int)sizeof(aclrtMemcpyBatchAttr); }
@@ -74,6 +76,37 @@ void fake_set_delay_us(unsigned us) { g_delay_us = us; }
 long fake_sync_calls(void) { return g_sync_calls; }
 long fake_sync_after_calls(void) { return g_sync_after_calls; }
 uintptr_t fake_last_sync_stream(void) { return g_last_sync_stream; }
+long fake_unsupported_calls(void) { return g_unsupported_calls; }
+
+/* Declare [base, base + size) as memory of NPU `device`; returns 0, or -1 when full. */
+int fake_add_device_memory(void *base, size_t size, uint32_t device) {
+    pthread_mutex_lock(&g_lock);
+    int ok = g_num_device < MAX_DEVICE_RANGES;
+    if (ok) {
+        g_device[g_num_device].lo = (uintptr_t)base;
+        g_device[g_num_device].hi = (uintptr_t)base + size;
+        g_device[g_num_device++].device = device;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return ok ? 0 : -1;
+}
+
+/* The device owning [p, p + n), -1 for host memory, -2 for a range that straddles. */
+static long device_of(const void *p, size_t n) {
+    uintptr_t lo = (uintptr_t)p, hi = lo + n;
+    for (int i = 0; i < g_num_device; i++) {
+        if (lo >= g_device[i].lo && hi <= g_device[i].hi) return g_device[i].device;
+        if (lo < g_device[i].hi && hi > g_device[i].lo) return -2;
+    }
+    return -1;
+}
+
+/* Does a copy's pointer lie where `loc` says? Always true before memory is declared. */
+static int on_side(const void *p, size_t n, aclrtMemLocation loc) {
+    if (g_num_device == 0) return 1;
+    long dev = device_of(p, n);
+    return loc.type == LOC_HOST ? dev == -1 : dev == (long)loc.id;
+}
 
 void fake_fail_call(long nth, int code) {
     pthread_mutex_lock(&g_lock);
@@ -103,6 +136,8 @@ void fake_reset(void) {
     g_fail_code = 0;
     g_sync_calls = g_sync_after_calls = 0;
     g_last_sync_stream = 0;
+    g_unsupported_calls = 0;
+    g_num_device = 0;
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -150,9 +185,16 @@ aclError aclrtSynchronizeStream(aclrtStream stream) {
 
 /* ----------------------------------------------------------- copies */
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count,
-                          int kind, aclrtStream stream) {
+                          aclrtMemcpyKind kind, aclrtStream stream) {
     if (dst == NULL || src == NULL || count > destMax) return ACL_ERROR_INVALID_PARAM;
-    if (kind != 1 && kind != 2) return ACL_ERROR_INVALID_PARAM; /* H2D or D2H only */
+    /* H2D or D2H only: the runtime fails host-to-host copies in this call. */
+    if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST)
+        return ACL_ERROR_INVALID_PARAM;
+    if (g_num_device > 0) { /* the pointers must be on the sides the kind names */
+        int h2d = kind == ACL_MEMCPY_HOST_TO_DEVICE;
+        long d = device_of(h2d ? dst : src, count), h = device_of(h2d ? src : dst, count);
+        if (d < 0 || h != -1) return ACL_ERROR_RT_PARAM_INVALID;
+    }
     aclError injected = injected_failure();
     if (injected != ACL_SUCCESS) return injected;
     pthread_mutex_lock(&g_lock);
@@ -172,6 +214,13 @@ __attribute__((unused)) static aclError batch(void **dsts, size_t *destMaxs, voi
                                               size_t numAttrs, size_t *failIndex,
                                               aclrtStream stream, long *counter) {
     if (failIndex) *failIndex = SIZE_MAX;
+#ifdef FAKE_BATCH_UNSUPPORTED
+    /* Checked before anything else and nothing is copied: the chip has no batch engine. */
+    (void)dsts; (void)destMaxs; (void)srcs; (void)sizes; (void)numBatches; (void)attrs;
+    (void)attrsIndexes; (void)numAttrs; (void)stream; (void)counter;
+    __atomic_add_fetch(&g_unsupported_calls, 1, __ATOMIC_SEQ_CST);
+    return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+#endif
     if (g_delay_us) usleep(g_delay_us);
     if (!dsts || !destMaxs || !srcs || !sizes || !attrs || !attrsIndexes || numBatches == 0)
         return ACL_ERROR_INVALID_PARAM;
@@ -196,11 +245,20 @@ __attribute__((unused)) static aclError batch(void **dsts, size_t *destMaxs, voi
         return ACL_ERROR_RT_PARAM_INVALID;
     }
 #endif
-    for (size_t k = 0; k < numBatches; k++)
-        if (!dsts[k] || !srcs[k] || sizes[k] > destMaxs[k]) {
+    for (size_t k = 0; k < numBatches; k++) {
+        if (!dsts[k] || !srcs[k] || sizes[k] == 0 || sizes[k] > destMaxs[k]) {
             if (failIndex) *failIndex = k;
             return ACL_ERROR_INVALID_PARAM;
         }
+        /* The attribute covering copy k: the last a with attrsIndexes[a] <= k. */
+        size_t a = numAttrs - 1;
+        while (a > 0 && attrsIndexes[a] > k) a--;
+        if (!on_side(dsts[k], sizes[k], attrs[a].dstLoc) ||
+            !on_side(srcs[k], sizes[k], attrs[a].srcLoc)) {
+            if (failIndex) *failIndex = k;
+            return ACL_ERROR_RT_PARAM_INVALID;
+        }
+    }
     aclError injected = injected_failure();
     if (injected != ACL_SUCCESS) return injected;
     pthread_mutex_lock(&g_lock);
