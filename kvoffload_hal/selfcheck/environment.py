@@ -130,6 +130,9 @@ def describe_environment(backend: DmaCopyBackend | None, device: torch.device) -
         "copy_mode": copy_mode(backend) if backend is not None else "unknown",
         "kvoffload_hal": kvoffload_hal.__version__,
         "torch": torch.__version__,
+        # The CUDA torch was built with, and the CANN torch_npu reports (None where absent).
+        "torch_cuda": torch.version.cuda,
+        "torch_cann": getattr(torch.version, "cann", None),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_model(),
