@@ -120,6 +120,16 @@ class BatchCopier:
                                      self._attrs[direction], self._attrs_idxs, stream)
         if code == CUDA_SUCCESS:
             return True
+        # When does "not supported" reach this line? cuda.h (12.8 and 13.0, checked by
+        # test_cuda_header_abi.py) documents only SUCCESS, DEINITIALIZED, NOT_INITIALIZED
+        # and INVALID_VALUE for cuMemcpyBatchAsync, plus errors of earlier asynchronous
+        # work. A driver without batch copy (older than 12.8) does not get here:
+        # cuGetProcAddress_v2 answers CUDA_ERROR_NOT_FOUND with SYMBOL_NOT_FOUND or
+        # VERSION_NOT_SUFFICIENT, resolve_batch_memcpy returns None and the loop is used
+        # from the start. So on NVIDIA's own drivers this branch is not expected to run;
+        # it stays for libraries that export the entry point but refuse the call with 801
+        # (shims and re-implementations of libcuda, as HIP does for its batch call), where
+        # failing every job would offload nothing.
         if code == CUDA_ERROR_NOT_SUPPORTED:
             logger.warning("%s answered CUDA_ERROR_NOT_SUPPORTED; copying with a %s from now on",
                            self._batch.label, LOOP_PATH)

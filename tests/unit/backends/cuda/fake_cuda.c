@@ -17,6 +17,9 @@
  *   -DFAKE_CUDA_VERSION=13000   also the 8-argument cuMemcpyBatchAsync_v2
  *   -DFAKE_NO_BATCH             no batch entry point (a 12.4 driver)
  *   -DFAKE_NO_PROC_ADDRESS      no cuGetProcAddress_v2 (a pre-12.0 driver)
+ *   -DFAKE_WITH_CUDA_H          use NVIDIA's cuda.h for every type and declaration
+ *                               (test_cuda_header_abi.py; the header comes from the
+ *                               nvidia-cuda-runtime wheels)
  * Everything the tests read back goes through the fake_* functions at the end.
  */
 #include <pthread.h>
@@ -36,13 +39,28 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
+#ifdef FAKE_WITH_CUDA_H
+/* Compiled against NVIDIA's cuda.h (-I to its directory): every definition below
+ * must then match the real declaration, or the build fails. The internal view is
+ * the one the driver itself is built with: it declares the legacy entry points
+ * too (the 9-argument cuMemcpyBatchAsync beside the 13.0 _v2, cuStreamDestroy
+ * beside cuStreamDestroy_v2), so both ABIs the fake exports are checked. */
+#define __CUDA_API_VERSION_INTERNAL 1
+#include <cuda.h>
+#if FAKE_CUDA_VERSION > CUDA_VERSION
+#error "FAKE_CUDA_VERSION is newer than the cuda.h this build uses"
+#endif
+#else
+/* Standalone: the declarations as this file understands them (what the header
+ * build checks against the real ones). */
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long cuuint64_t;
-typedef struct fake_ctx *CUcontext;
-typedef struct fake_stream *CUstream;
-typedef struct fake_event *CUevent;
+typedef int CUdriverProcAddressQueryResult;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 
 enum {
     CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1, CUDA_ERROR_NOT_INITIALIZED = 3,
@@ -59,6 +77,7 @@ typedef struct {
     CUmemLocation dstLocHint;
     unsigned int flags;
 } CUmemcpyAttributes;
+#endif /* FAKE_WITH_CUDA_H */
 
 /* ------------------------------------------------------------------ state */
 enum { OP_COPY, OP_RECORD, OP_WAIT };
@@ -67,13 +86,13 @@ typedef struct op {
     void *dst;
     const void *src;
     size_t n;
-    struct fake_event *event;
+    struct CUevent_st *event;
     struct op *next;
 } op;
 
-struct fake_ctx { int device; int refcount; };
-struct fake_stream { int priority; unsigned flags; int live; op *head, *tail; };
-struct fake_event { int pending; int live; struct fake_stream *stream; };
+struct CUctx_st { int device; int refcount; };
+struct CUstream_st { int priority; unsigned flags; int live; op *head, *tail; };
+struct CUevent_st { int pending; int live; struct CUstream_st *stream; };
 
 /* Functions whose calls are counted and logged, in this order of ids. */
 static const char *FN_NAMES[] = {
@@ -104,10 +123,10 @@ typedef struct { int registered; void *ptr; size_t size; } reg_record;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_initialized;
-static struct fake_ctx g_primary[2] = {{0, 0}, {1, 0}};
+static struct CUctx_st g_primary[2] = {{0, 0}, {1, 0}};
 static __thread CUcontext t_current;
-static struct fake_stream g_legacy_stream;  /* handle 0 */
-static struct fake_stream *g_streams[MAX_STREAMS];
+static struct CUstream_st g_legacy_stream;  /* handle 0 */
+static struct CUstream_st *g_streams[MAX_STREAMS];
 static int g_num_streams, g_live_streams, g_live_events;
 static int g_defer;
 static int g_prio_least = 0, g_prio_greatest = -5;  /* an H100's range */
@@ -135,10 +154,10 @@ static int need_context(void) {
     return CUDA_SUCCESS;
 }
 
-static struct fake_stream *stream_of(CUstream s) { return s ? s : &g_legacy_stream; }
+static struct CUstream_st *stream_of(CUstream s) { return s ? s : &g_legacy_stream; }
 
 static void execute(op *o) {
-    struct fake_event *ev;
+    struct CUevent_st *ev;
     switch (o->kind) {
     case OP_COPY: memmove(o->dst, o->src, o->n); break;
     case OP_RECORD: o->event->pending = 0; break;
@@ -156,7 +175,7 @@ static void execute(op *o) {
 }
 
 /* Run ``s`` until ``until`` (if given) has completed, else until empty. */
-static void run_stream(struct fake_stream *s, struct fake_event *until) {
+static void run_stream(struct CUstream_st *s, struct CUevent_st *until) {
     while (s->head && !(until && !until->pending)) {
         op *h = s->head;
         s->head = h->next;
@@ -171,7 +190,7 @@ static void enqueue(CUstream s, op o) {
     *n = o;
     n->next = NULL;
     if (!g_defer) { execute(n); free(n); return; }
-    struct fake_stream *fs = stream_of(s);
+    struct CUstream_st *fs = stream_of(s);
     if (fs->tail) fs->tail->next = n; else fs->head = n;
     fs->tail = n;
 }
@@ -259,7 +278,7 @@ static CUresult screate_impl(CUstream *s, unsigned flags, int priority) {
     CUresult r = need_context();
     if (r) return r;
     if (g_num_streams >= MAX_STREAMS) return CUDA_ERROR_INVALID_VALUE;
-    struct fake_stream *fs = calloc(1, sizeof(*fs));
+    struct CUstream_st *fs = calloc(1, sizeof(*fs));
     /* Out-of-range priorities are clamped, as the driver does. */
     fs->priority = priority < g_prio_greatest ? g_prio_greatest
                  : (priority > g_prio_least ? g_prio_least : priority);
@@ -303,7 +322,7 @@ static CUresult ecreate_impl(CUevent *ev, unsigned flags) {
     note(F_ECREATE, 0, 0);
     CUresult r = need_context();
     if (r) return r;
-    struct fake_event *e = calloc(1, sizeof(*e));
+    struct CUevent_st *e = calloc(1, sizeof(*e));
     e->live = 1;
     g_live_events++;
     *ev = e;
@@ -450,7 +469,7 @@ EXPORT CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size
 #ifndef FAKE_NO_PROC_ADDRESS
 /* CUdriverProcAddressQueryResult: SUCCESS=0, SYMBOL_NOT_FOUND=1, VERSION_NOT_SUFFICIENT=2 */
 static CUresult proc_impl(const char *symbol, void **pfn, int version, cuuint64_t flags,
-                          int *status) {
+                          CUdriverProcAddressQueryResult *status) {
     note(F_PROC, 0, 0);
     *pfn = NULL;
     if (status) *status = 1;
@@ -470,13 +489,13 @@ static CUresult proc_impl(const char *symbol, void **pfn, int version, cuuint64_
 #endif
 }
 EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
-                                    cuuint64_t flags, int *status) {
+                                    cuuint64_t flags, CUdriverProcAddressQueryResult *status) {
     LOCKED(proc_impl(symbol, pfn, version, flags, status));
 }
 #endif
 
 /* ------------------------------------------------- test-only inspection */
-static void discard_stream(struct fake_stream *s) {
+static void discard_stream(struct CUstream_st *s) {
     while (s->head) { op *h = s->head; s->head = h->next; free(h); }
     s->tail = NULL;
 }
