@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 
@@ -145,14 +144,8 @@ def test_python_dash_m_on_the_cpu_backend():
 
 
 def test_importing_selfcheck_loads_no_device_runtime():
-    code = textwrap.dedent("""
-        import sys
-        import kvoffload_hal.selfcheck
-        import torch
-        maps = open("/proc/self/maps").read()
-        print("torch_npu" in sys.modules, "libcuda" in maps, "libcudart" in maps,
-              torch.cuda.is_initialized())
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, check=True).stdout.split()
-    assert out == ["False", "False", "False", "False"]
+    from support.imports import loaded_by
+
+    added = loaded_by("import kvoffload_hal.selfcheck")
+    assert added == {"modules": [], "libraries": [], "cuda_initialized": False}
+
