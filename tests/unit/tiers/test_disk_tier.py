@@ -134,8 +134,8 @@ def test_a_short_direct_write_fails_its_key(tmp_path, monkeypatch):
     tier = DiskTier(str(tmp_path), 0, [torch.ones(2, 5000, dtype=torch.uint8)], o_direct=True)
     real_write = os.write
 
-    def short_write(fd, data):  # a full disk accepts part of the buffer
-        return real_write(fd, bytes(data)[:4096])
+    def short_write(fd, data):  # a full disk accepts part of the (page-aligned) buffer
+        return real_write(fd, memoryview(data)[:4096])
 
     monkeypatch.setattr(os, "write", short_write)
     tier.submit_store(0, [("ff06", 0)])
