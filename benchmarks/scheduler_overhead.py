@@ -132,10 +132,11 @@ def make_vllm_config(model: str, connector: str, max_num_seqs: int):
 
 def make_scheduler(vllm_config, num_gpu_blocks: int, num_cpu_blocks: int):
     import torch
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvoffload_hal.vllm_compat import get_kv_cache_configs
 
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=MODEL.num_key_value_heads,
                              head_size=MODEL.head_dim, dtype=torch.bfloat16)

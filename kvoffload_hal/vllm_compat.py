@@ -28,6 +28,8 @@ keyword arguments                                      the arguments the factory
 (locality=)``                                          :func:`label_events`
 ``FreeKVCacheBlockQueue            0.32                :func:`iter_free_blocks`
 .iter_blocks_after``
+``get_kv_cache_configs``           (moved in 0.33)     :func:`get_kv_cache_configs`
+                                                       (benchmarks)
 ``has_pending_push_work``          0.32 (never         see ``HALOffloadConnector``: the
                                    called before)      last stores of an idle engine
                                                        wait for its next step
@@ -171,3 +173,12 @@ def label_events(events: Iterable[Any], medium: str) -> list[Any]:
 
     return [e if getattr(e, "medium", medium) in (medium, None)
             else msgspec.structs.replace(e, medium=medium) for e in events]
+
+
+def get_kv_cache_configs(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's KV cache planner (``kv_cache_utils`` up to 0.32, ``kv_cache_planning`` after)."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as plan
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as plan
+    return plan(*args, **kwargs)
