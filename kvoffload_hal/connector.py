@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 
 class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    # Every hit is loaded from host memory (blocks promoted from disk reach the
+    # device through the CPU tier too); where vLLM counts hits by source.
+    if vllm_compat.HOST_HIT_SOURCE is not None:
+        _cache_hit_source = vllm_compat.HOST_HIT_SOURCE
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)

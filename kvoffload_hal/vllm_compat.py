@@ -30,6 +30,8 @@ keyword arguments                                      the arguments the factory
 .iter_blocks_after``
 ``get_kv_cache_configs``           (moved in 0.33)     :func:`get_kv_cache_configs`
                                                        (benchmarks)
+``CacheHitSource`` (hits counted   0.32                :data:`HOST_HIT_SOURCE`: the
+by source)                                             connector's hits count as host
 ``has_pending_push_work``          0.32 (never         see ``HALOffloadConnector``: the
                                    called before)      last stores of an idle engine
                                                        wait for its next step
@@ -61,6 +63,12 @@ STEPS_FOR_PUSH_WORK: bool = hasattr(connector_base.KVConnectorBase_V1, "has_pend
 REPORTS_FAILED_RECVING: bool = "failed_recving" in getattr(
     KVConnectorOutput, "__dataclass_fields__", {})
 _BLOCK_STORED_FIELDS = frozenset(getattr(kv_events.BlockStored, "__struct_fields__", ()))
+try:  # where vLLM counts prefix-cache hits by the tier that supplied them
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HOST_HIT_SOURCE: Any = CacheHitSource.HOST
+except ImportError:
+    HOST_HIT_SOURCE = None
 
 
 # ---------------------------------------------------------------- connector

@@ -73,3 +73,14 @@ def test_sleep_mode_is_refused_through_the_connector_api():
     from kvoffload_hal.inprocess import offload_transfer_config
 
     assert HALOffloadConnector.supports_sleep_mode(offload_transfer_config()) is False
+
+
+def test_cpu_tier_hits_are_reported_as_host_hits(make_engine):
+    from kvoffload_hal import vllm_compat
+
+    if vllm_compat.HOST_HIT_SOURCE is None:
+        pytest.skip("this vLLM does not count prefix-cache hits by source")
+    engine = make_engine()
+    request = engine.add("r", list(range(1, 50)))
+    sources = engine.connector.get_external_cache_hit_sources(request, 32)
+    assert sources == {vllm_compat.HOST_HIT_SOURCE: 32}  # not "external_unspecified"
