@@ -35,6 +35,7 @@ class EngineSpec:
     lazy_offload: bool = False
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
+    tensor_parallel_size: int = 1  # > 1: worker processes ("mp" executor), one per rank
     max_num_batched_tokens: int | None = None
     dtype: str = "bfloat16"
     extra_config: dict[str, Any] = field(default_factory=dict)
@@ -43,7 +44,9 @@ class EngineSpec:
         kwargs: dict[str, Any] = dict(
             model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-            enforce_eager=True, seed=0, distributed_executor_backend="uni",
+            enforce_eager=True, seed=0,
+            distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else "mp",
+            tensor_parallel_size=self.tensor_parallel_size,
             num_gpu_blocks_override=self.num_gpu_blocks, max_num_seqs=self.max_num_seqs,
         )
         if self.max_num_batched_tokens is not None:
