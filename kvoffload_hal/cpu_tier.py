@@ -76,7 +76,9 @@ class CpuTier:
             enable_kv_cache_events=self.emit_kv_events)
         self.pool = self.coordinator.block_pool
         # Evictions from this pool are evictions from CPU memory: label its KV
-        # events so a KV-aware router does not take them for device ones.
+        # events so a KV-aware router does not take them for device ones. A pool
+        # without the attribute labels them itself: relabel them as they are taken.
+        self._relabel_events = not hasattr(self.pool, "medium")
         self.pool.medium = MEDIUM_CPU
         self.group_block_sizes: list[int] = list(vllm_compat.group_block_sizes(self.coordinator))
         self.cacheable_groups = [
@@ -172,4 +174,7 @@ class CpuTier:
                 medium=MEDIUM_CPU, lora_name=None, group_idx=group, locality="LOCAL"))
 
     def take_events(self) -> Iterable[Any]:
-        return vllm_compat.label_events(self.pool.take_events(), MEDIUM_CPU)
+        events = self.pool.take_events()
+        if self._relabel_events and events:
+            return vllm_compat.label_events(events, MEDIUM_CPU)
+        return events

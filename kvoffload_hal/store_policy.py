@@ -120,6 +120,11 @@ class EagerPolicy(StorePolicy):
         # (device block id, its hash) of finished requests, not stored for want of room.
         self._leftovers: deque[tuple[int, Any]] = deque()
 
+    def bind(self, gpu_pool: BlockPool) -> None:
+        super().bind(gpu_pool)
+        # Leftovers older than one device pool's worth are evicted by now.
+        self._leftovers = deque(maxlen=len(gpu_pool.blocks))
+
     def on_allocated(self, request: Request, num_groups: int) -> None:
         if request.request_id not in self._cursors:
             self._cursors[request.request_id] = _Cursor(
@@ -176,14 +181,11 @@ class EagerPolicy(StorePolicy):
         assert self.gpu_pool is not None, "bind() was not called"
         blocks = self.gpu_pool.blocks
         for g in self.cacheable_groups:
-            ids = block_ids[g]
-            ready = min(len(ids), confirmed_tokens // self.group_block_sizes[g])
-            for block_id in ids[cursor.num_scanned[g]:ready]:
+            ready = self._num_ready(block_ids[g], g, confirmed_tokens)
+            for block_id in block_ids[g][cursor.num_scanned[g]:ready]:
                 block_hash = blocks[block_id].block_hash
                 if block_hash is not None:
                     self._leftovers.append((block_id, block_hash))
-        while len(self._leftovers) > len(blocks):  # older ones are evicted by now
-            self._leftovers.popleft()
 
     def _offer_leftovers(self, picker: BlockPicker) -> None:
         assert self.gpu_pool is not None, "bind() was not called"
@@ -194,13 +196,17 @@ class EagerPolicy(StorePolicy):
             if block.block_hash == block_hash:  # not evicted since its request finished
                 picker.offer(block)
 
+    def _num_ready(self, ids: Sequence[int], group: int, confirmed_tokens: int) -> int:
+        """Device blocks of ``ids`` full of confirmed tokens."""
+        return min(len(ids), confirmed_tokens // self.group_block_sizes[group])
+
     def _offer(self, cursor: _Cursor, block_ids: Sequence[list[int]], confirmed_tokens: int,
                picker: BlockPicker) -> None:
         assert self.gpu_pool is not None, "bind() was not called"
         blocks = self.gpu_pool.blocks
         for g in self.cacheable_groups:
             ids = block_ids[g]
-            ready = min(len(ids), confirmed_tokens // self.group_block_sizes[g])
+            ready = self._num_ready(ids, g, confirmed_tokens)
             i = cursor.num_scanned[g]
             while i < ready and not picker.full:
                 picker.offer(blocks[ids[i]])

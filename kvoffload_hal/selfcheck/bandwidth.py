@@ -27,6 +27,7 @@ import torch
 
 from kvoffload_hal.hal.backend import Direction, DmaCopyBackend, TransferJob
 from kvoffload_hal.hal.regions import BlockRegion, merge_runs
+from kvoffload_hal.selfcheck.session import backend_session
 
 __all__ = ["BLOCK_BYTES", "Bandwidth", "measure_bandwidth"]
 
@@ -103,10 +104,9 @@ def measure_bandwidth(make_backend: Callable[[], DmaCopyBackend],
     descriptors = len(merge_runs(*jobs["scattered"])[2])
     outcome = Bandwidth(block_bytes, blocks, descriptors)
     device = torch.zeros(2 * blocks * block_bytes, dtype=torch.uint8, device=tensor_device)
-    backend = make_backend()
-    host = None
-    try:
-        host = backend.allocate_host(blocks * block_bytes)
+    with backend_session(make_backend, outcome) as session:
+        backend = session.backend
+        host = session.allocate_host(blocks * block_bytes)
         host.zero_()
         backend.bind([BlockRegion(device.data_ptr(), 2 * blocks, block_bytes, block_bytes)],
                      [BlockRegion(host.data_ptr(), blocks, block_bytes, block_bytes)])
@@ -117,9 +117,4 @@ def measure_bandwidth(make_backend: Callable[[], DmaCopyBackend],
             for field, kind in zip(fields, ("scattered", "contiguous")):
                 gbps = _median_gbps(timer, direction, *jobs[kind], num_bytes, repeats)
                 setattr(outcome, field, round(gbps, 3))
-    except Exception as e:  # noqa: BLE001 - reported as this measurement's failure
-        outcome.error = " ".join(f"{type(e).__name__}: {e}".split())
-    finally:
-        if backend.shutdown() and host is not None:
-            backend.free_host(host)
     return outcome

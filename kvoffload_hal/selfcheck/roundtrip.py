@@ -27,6 +27,7 @@ from kvoffload_hal.hal.backend import Direction, DmaCopyBackend, JobResult, Tran
 from kvoffload_hal.hal.layouts import describe_kv_caches
 from kvoffload_hal.hal.regions import BlockRegion, host_bytes_per_block, host_regions_for
 from kvoffload_hal.selfcheck.kv_layouts import build_layout
+from kvoffload_hal.selfcheck.session import backend_session
 
 __all__ = ["NUM_DEVICE_BLOCKS", "NUM_HOST_BLOCKS", "RoundTrip", "check_round_trip"]
 
@@ -161,13 +162,12 @@ def check_round_trip(make_backend: BackendFactory, layout: str, block_size: int,
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     build = build_layout(layout, NUM_DEVICE_BLOCKS, block_size, tensor_device, gen)
-    backend = make_backend()
-    host = None
-    try:
+    with backend_session(make_backend, outcome) as session:
+        backend = session.backend
         regions = describe_kv_caches(build.kv_caches, NUM_DEVICE_BLOCKS, backend.describe_kv_tensor)
         placed = _place(regions, build.buffers)
         outcome.regions, outcome.bytes_per_block = len(regions), host_bytes_per_block(regions)
-        host = backend.allocate_host(NUM_HOST_BLOCKS * outcome.bytes_per_block)
+        host = session.allocate_host(NUM_HOST_BLOCKS * outcome.bytes_per_block)
         host.copy_(torch.randint(0, 256, (host.numel(),), dtype=torch.uint8, generator=gen))
         backend.bind(regions, host_regions_for(regions, host.data_ptr(), NUM_HOST_BLOCKS))
         device_before = [b.cpu().clone() for b in build.buffers]
@@ -181,9 +181,4 @@ def check_round_trip(make_backend: BackendFactory, layout: str, block_size: int,
             outcome.error = _load(backend, placed, host, device_before, build.buffers,
                                   host_ids, loaded)
             outcome.load_ok = outcome.error is None
-    except Exception as e:  # noqa: BLE001 - reported as this check's failure
-        outcome.error = " ".join(f"{type(e).__name__}: {e}".split())
-    finally:
-        if backend.shutdown() and host is not None:
-            backend.free_host(host)
     return outcome

@@ -131,13 +131,19 @@ def _hashed(pool, n):
     return blocks
 
 
-def test_eager_offers_each_confirmed_full_block_once():
+def _eager(num_blocks, computed):
+    """A bound eager policy and request "r" holding ``num_blocks`` hashed device blocks."""
     pool = _pool()
-    blocks = _hashed(pool, 4)
+    blocks = _hashed(pool, num_blocks)
     policy = EagerPolicy([BS], [0])
     policy.bind(pool)
-    req = _request("r", computed=2 * BS + 3)  # two full blocks confirmed
+    req = _request("r", computed=computed)
     policy.on_allocated(req, 1)
+    return pool, blocks, policy, req
+
+
+def test_eager_offers_each_confirmed_full_block_once():
+    pool, blocks, policy, req = _eager(4, computed=2 * BS + 3)  # two full blocks confirmed
     picker = BlockPicker(100, _everything)
     policy.select(_scheduled("r", ([b.block_id for b in blocks],)), picker)
     assert picker.blocks == blocks[:2]
@@ -151,13 +157,8 @@ def test_eager_offers_each_confirmed_full_block_once():
 
 
 def test_eager_offers_a_finished_requests_leftovers_while_the_device_holds_them():
-    pool = _pool()
-    blocks = _hashed(pool, 4)
+    pool, blocks, policy, req = _eager(4, computed=4 * BS)
     ids = [b.block_id for b in blocks]
-    policy = EagerPolicy([BS], [0])
-    policy.bind(pool)
-    req = _request("r", computed=4 * BS)
-    policy.on_allocated(req, 1)
     picker = BlockPicker(1, _everything)  # room for one block when the request finishes
     policy.on_finished(req, (ids,), picker)
     assert picker.blocks == blocks[:1] and policy.has_pending()
@@ -172,13 +173,8 @@ def test_eager_offers_a_finished_requests_leftovers_while_the_device_holds_them(
 
 
 def test_eager_rewinds_on_preemption_and_reset():
-    pool = _pool()
-    blocks = _hashed(pool, 2)
+    _, blocks, policy, req = _eager(2, computed=2 * BS)
     ids = [b.block_id for b in blocks]
-    policy = EagerPolicy([BS], [0])
-    policy.bind(pool)
-    req = _request("r", computed=2 * BS)
-    policy.on_allocated(req, 1)
     policy.select(_scheduled("r", (ids,)), BlockPicker(100, _everything))
     policy.reset()  # the CPU tier forgot them: offered again
     picker = BlockPicker(100, _everything)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
+
 
 class FakeAcl:
     """The test hooks of one loaded fake library variant."""
@@ -35,3 +37,13 @@ class FakeAcl:
         buf = (ctypes.c_uint8 * 32)()
         self.lib.fake_last_attr_bytes(buf)
         return bytes(buf)
+
+
+def host_buffers(n: int, size: int, seed: int = 0):
+    """``n`` random source and zeroed destination arrays of ``size`` bytes, with their
+    addresses and sizes as the ``uint64`` arrays the runtime's batch calls take."""
+    rng = np.random.default_rng(seed)
+    src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+    dst = [np.zeros(size, dtype=np.uint8) for _ in range(n)]
+    ptrs = lambda arrs: np.array([a.ctypes.data for a in arrs], dtype=np.uint64)  # noqa: E731
+    return src, dst, ptrs(src), ptrs(dst), np.full(n, size, dtype=np.uint64)

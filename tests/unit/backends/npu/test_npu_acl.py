@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 import pytest
-from fake_acl import FakeAcl
+from fake_acl import FakeAcl, host_buffers
 
 from kvoffload_hal.backends.npu._acl import (
     ACL_LIBRARY_ENV,
@@ -19,14 +19,6 @@ from kvoffload_hal.backends.npu._acl import (
     AclRuntime,
     load_acl_library,
 )
-
-
-def _buffers(n: int, size: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
-    dst = [np.zeros(size, dtype=np.uint8) for _ in range(n)]
-    ptrs = lambda arrs: np.array([a.ctypes.data for a in arrs], dtype=np.uint64)  # noqa: E731
-    return src, dst, ptrs(src), ptrs(dst), np.full(n, size, dtype=np.uint64)
 
 
 def _runtime(fake_libs, variant: str, **kwargs) -> tuple[AclRuntime, FakeAcl]:
@@ -44,7 +36,7 @@ def test_attr_struct_is_32_bytes_on_both_sides(fake_libs):
 @pytest.mark.parametrize("to_device", [True, False])
 def test_attr_bytes_seen_by_c(fake_libs, to_device):
     runtime, acl = _runtime(fake_libs, "full")
-    src, dst, sp, dp, sizes = _buffers(3, 64)
+    src, dst, sp, dp, sizes = host_buffers(3, 64)
     runtime.memcpy_batch(dp, sp, sizes, to_device=to_device, device_id=5, stream=0x1234)
     # Raw layout: dstLoc {uint32 id, int type}, srcLoc {id, type}, 16 zero bytes.
     dst_id, dst_type, src_id, src_type = struct.unpack("<IiIi", acl.attr_bytes()[:16])
@@ -65,7 +57,7 @@ def test_attr_bytes_seen_by_c(fake_libs, to_device):
 def test_symbol_order(fake_libs, variant, path):
     runtime, acl = _runtime(fake_libs, variant)
     assert runtime.path == path
-    src, dst, sp, dp, sizes = _buffers(5, 100, seed=1)
+    src, dst, sp, dp, sizes = host_buffers(5, 100, seed=1)
     calls = runtime.memcpy_batch(dp, sp, sizes, to_device=True, device_id=0, stream=7)
     assert all((d == s).all() for d, s in zip(dst, src))
     counts = (acl.v2_calls(), acl.v1_calls(), acl.copy_calls())
@@ -77,14 +69,14 @@ def test_symbol_order(fake_libs, variant, path):
 @pytest.mark.parametrize(("to_device", "kind"), [(True, 1), (False, 2)])
 def test_per_copy_fallback_kind(fake_libs, to_device, kind):
     runtime, acl = _runtime(fake_libs, "none")
-    src, dst, sp, dp, sizes = _buffers(2, 8)
+    src, dst, sp, dp, sizes = host_buffers(2, 8)
     runtime.memcpy_batch(dp, sp, sizes, to_device=to_device, device_id=0, stream=3)
     assert acl.last_kind() == kind and acl.last_stream() == 3
 
 
 def test_chunking_at_max_descriptors(fake_libs):
     runtime, acl = _runtime(fake_libs, "full", max_batch_descriptors=4)
-    src, dst, sp, dp, sizes = _buffers(10, 32, seed=2)
+    src, dst, sp, dp, sizes = host_buffers(10, 32, seed=2)
     assert runtime.memcpy_batch(dp, sp, sizes, to_device=False, device_id=0, stream=1) == 3
     assert acl.v2_calls() == 3 and acl.max_num_batches() == 4 and acl.last_num_batches() == 2
     assert all((d == s).all() for d, s in zip(dst, src))
@@ -92,7 +84,7 @@ def test_chunking_at_max_descriptors(fake_libs):
 
 def test_fail_index_is_reported_with_chunk_offset(fake_libs):
     runtime, acl = _runtime(fake_libs, "failing", max_batch_descriptors=4)
-    src, dst, sp, dp, sizes = _buffers(6, 16)
+    src, dst, sp, dp, sizes = host_buffers(6, 16)
     # The first chunk (4 copies) fails at its copy 2 -> descriptor 2 overall.
     with pytest.raises(AclError, match=r"failIndex 2\b"):
         runtime.memcpy_batch(dp, sp, sizes, to_device=True, device_id=0, stream=1)
@@ -101,7 +93,7 @@ def test_fail_index_is_reported_with_chunk_offset(fake_libs):
 @pytest.mark.parametrize("variant", ["full", "v1", "none"])
 def test_failed_call_drains_the_stream_before_raising(fake_libs, variant):
     runtime, acl = _runtime(fake_libs, variant, max_batch_descriptors=4)
-    src, dst, sp, dp, sizes = _buffers(10, 16, seed=3)
+    src, dst, sp, dp, sizes = host_buffers(10, 16, seed=3)
     acl.fail_call(2, 507899)  # the second copy call fails; the first is already enqueued
     with pytest.raises(AclError, match="aclError 507899"):
         runtime.memcpy_batch(dp, sp, sizes, to_device=True, device_id=0, stream=0x77)
@@ -116,7 +108,7 @@ def test_failed_call_drains_the_stream_before_raising(fake_libs, variant):
 
 def test_bad_pointer_is_reported_by_index_or_chunk(fake_libs):
     runtime, _ = _runtime(fake_libs, "v1")
-    src, dst, sp, dp, sizes = _buffers(2, 16)
+    src, dst, sp, dp, sizes = host_buffers(2, 16)
     sp[1] = 0  # a null source is rejected, at its index
     with pytest.raises(AclError, match="failIndex 1"):
         runtime.memcpy_batch(dp, sp, sizes, to_device=True, device_id=0, stream=1)
@@ -136,7 +128,7 @@ def _bad_attr(rsv0: int, src_type: int, dst_type: int):
 
 def test_attribute_errors(fake_libs, monkeypatch):
     runtime, _ = _runtime(fake_libs, "v1")
-    src, dst, sp, dp, sizes = _buffers(2, 16)
+    src, dst, sp, dp, sizes = host_buffers(2, 16)
     # host -> host is not a batch direction: reported at the attribute's first copy.
     monkeypatch.setattr(AclRuntime, "_attr", _bad_attr(0, 0, 0))
     with pytest.raises(AclError, match="failIndex 0"):
@@ -149,7 +141,7 @@ def test_attribute_errors(fake_libs, monkeypatch):
 
 def test_per_copy_error_names_descriptor(fake_libs):
     runtime, _ = _runtime(fake_libs, "none")
-    src, dst, sp, dp, sizes = _buffers(3, 16)
+    src, dst, sp, dp, sizes = host_buffers(3, 16)
     dp[2] = 0
     with pytest.raises(AclError, match="descriptor 2"):
         runtime.memcpy_batch(dp, sp, sizes, to_device=False, device_id=0, stream=1)

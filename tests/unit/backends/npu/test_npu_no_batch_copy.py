@@ -14,7 +14,7 @@ import logging
 import numpy as np
 import pytest
 from ascend_kv import NUM_HOST_BLOCKS, AscendKv, bind_rig
-from fake_acl import FakeAcl
+from fake_acl import FakeAcl, host_buffers
 
 from kvoffload_hal.backends.npu._acl import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
@@ -34,14 +34,6 @@ ACL_ERROR_INVALID_PARAM = 100000
 ACL_ERROR_RT_PARAM_INVALID = 107000
 
 
-def _buffers(n: int, size: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    src = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
-    dst = [np.zeros(size, dtype=np.uint8) for _ in range(n)]
-    ptrs = lambda arrs: np.array([a.ctypes.data for a in arrs], dtype=np.uint64)  # noqa: E731
-    return src, dst, ptrs(src), ptrs(dst), np.full(n, size, dtype=np.uint64)
-
-
 @pytest.mark.parametrize(("variant", "first_path"),
                          [("unsupported", BATCH_V2), ("unsupported_v1", BATCH_V1)])
 def test_feature_not_supported_switches_to_the_loop_for_good(fake_libs, monkeypatch, caplog,
@@ -50,7 +42,7 @@ def test_feature_not_supported_switches_to_the_loop_for_good(fake_libs, monkeypa
     acl = FakeAcl(fake_libs[variant])
     runtime = AclRuntime(ctypes.CDLL(str(acl.path)), max_batch_descriptors=4)
     assert runtime.path == first_path and runtime.fallbacks == 0
-    src, dst, sp, dp, sizes = _buffers(10, 96, seed=5)
+    src, dst, sp, dp, sizes = host_buffers(10, 96, seed=5)
     with caplog.at_level(logging.WARNING):
         calls = runtime.memcpy_batch(dp, sp, sizes, to_device=True, device_id=0, stream=9)
         # The first chunk's rejected descriptors are copied too, by the loop.
@@ -165,7 +157,7 @@ def test_runtime_names_the_device_of_its_pointers(fake_libs):
     """Through the production code: the attribute's device id must be the memory's."""
     acl = FakeAcl(fake_libs["v1"])
     runtime = AclRuntime(ctypes.CDLL(str(acl.path)))
-    src, dst, sp, dp, sizes = _buffers(3, 32, seed=8)
+    src, dst, sp, dp, sizes = host_buffers(3, 32, seed=8)
     for d in dst:
         acl.declare_device_memory(d.ctypes.data, d.nbytes, 1)
     with pytest.raises(AclError, match="aclError 107000 .failIndex 0"):
@@ -179,7 +171,7 @@ def test_runtime_names_the_device_of_its_pointers(fake_libs):
 def test_fake_per_copy_rejects_a_kind_its_pointers_contradict(fake_libs):
     acl = FakeAcl(fake_libs["none"])
     runtime = AclRuntime(ctypes.CDLL(str(acl.path)))
-    src, dst, sp, dp, sizes = _buffers(2, 32, seed=9)
+    src, dst, sp, dp, sizes = host_buffers(2, 32, seed=9)
     for d in dst:
         acl.declare_device_memory(d.ctypes.data, d.nbytes, 0)
     with pytest.raises(AclError, match="descriptor 0 .* aclError 107000"):
