@@ -26,6 +26,11 @@ key                    default     meaning
                                    copy backend's compute is synchronous (vLLM's
                                    CPU platform) with one KV cache group, else
                                    ``async``
+``eviction``           adaptive    order in which the CPU tier evicts: ``lru``
+                                   (vLLM's ``BlockPool`` order) or ``adaptive``
+                                   (LRU for blocks loaded back at least once;
+                                   blocks never loaded go first when that scored
+                                   more hits lately; see ``eviction.py``)
 =====================  ==========  =================================================
 
 Validated once at start-up: a wrong type or range raises ``ValueError`` naming the
@@ -40,6 +45,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.dirs import DIR_MODE, check_private_dir
 
@@ -51,7 +57,7 @@ DEFAULT_CPU_BYTES_TO_USE = 4 << 30
 
 
 VALID_KEYS = ("cpu_bytes_to_use", "lazy_offload", "disk_path", "disk_bytes_to_use",
-              "disk_o_direct", "load_mode", "allow_overcommit")
+              "disk_o_direct", "load_mode", "allow_overcommit", "eviction")
 LOAD_MODES = ("auto", "async", "sync")
 
 
@@ -78,6 +84,7 @@ class OffloadConfig:
     disk_o_direct: bool = False
     load_mode: str = "auto"
     allow_overcommit: bool = False
+    eviction: str = DEFAULT_EVICTION
 
     @property
     def disk_enabled(self) -> bool:
@@ -101,6 +108,10 @@ class OffloadConfig:
         if load_mode not in LOAD_MODES:
             raise ValueError(f"kv_connector_extra_config['load_mode']={load_mode!r}: expected "
                              f"one of {', '.join(LOAD_MODES)}")
+        eviction = extra.get("eviction", DEFAULT_EVICTION)
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"kv_connector_extra_config['eviction']={eviction!r}: expected "
+                             f"one of {', '.join(EVICTION_POLICIES)}")
         disk_path = extra.get("disk_path")
         if disk_path is None:
             for key in ("disk_bytes_to_use", "disk_o_direct"):
@@ -108,14 +119,15 @@ class OffloadConfig:
                     raise ValueError(f"kv_connector_extra_config['{key}'] is set but "
                                      "'disk_path' is not: expected both for a disk tier")
             return cls(cpu_bytes, lazy, disk_o_direct=o_direct, load_mode=load_mode,
-                       allow_overcommit=overcommit)
+                       allow_overcommit=overcommit, eviction=eviction)
         disk_path = _absolute_dir(disk_path)
         if "disk_bytes_to_use" not in extra:
             raise ValueError("kv_connector_extra_config['disk_path'] is set but "
                              "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
         disk_bytes = _positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
         _check_writable_dir(disk_path)
-        return cls(cpu_bytes, lazy, disk_path, disk_bytes, o_direct, load_mode, overcommit)
+        return cls(cpu_bytes, lazy, disk_path, disk_bytes, o_direct, load_mode, overcommit,
+                   eviction=eviction)
 
     def cpu_bytes_per_rank(self, world_size: int) -> int:
         return self.cpu_bytes_to_use // max(1, world_size)

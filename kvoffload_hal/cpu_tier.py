@@ -9,7 +9,10 @@ hash->block map, HMA group semantics and KV events all come from vLLM.
 * pins (references) on blocks a hit or a copy uses, so LRU eviction cannot
   take them while in use;
 * publishing a block under its hash once its bytes are in place, with a
-  ``BlockStored`` event of medium CPU; evictions are labelled CPU too.
+  ``BlockStored`` event of medium CPU; evictions are labelled CPU too;
+* an :class:`~kvoffload_hal.eviction.Eviction` that decides where a block the
+  tier lets go of goes in the free queue (vLLM's eviction order), told of
+  every load and store.
 
 No device is touched here.
 """
@@ -29,6 +32,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from kvoffload_hal import vllm_compat
+from kvoffload_hal.eviction import DEFAULT_EVICTION, make_eviction
 from kvoffload_hal.vllm_compat import MEDIUM_CPU
 
 if TYPE_CHECKING:
@@ -64,7 +68,8 @@ class CpuTier:
     """Which KV blocks the CPU tier holds, and under which hashes."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                 num_blocks: int, block_size: int, hash_block_size: int) -> None:
+                 num_blocks: int, block_size: int, hash_block_size: int,
+                 eviction: str = DEFAULT_EVICTION) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_block_size = hash_block_size
@@ -75,6 +80,7 @@ class CpuTier:
             vllm_config, config, block_size=block_size, hash_block_size=hash_block_size,
             enable_kv_cache_events=self.emit_kv_events)
         self.pool = self.coordinator.block_pool
+        self.eviction = make_eviction(eviction, self.pool, num_blocks)
         # Evictions from this pool are evictions from CPU memory: label its KV
         # events so a KV-aware router does not take them for device ones. A pool
         # without the attribute labels them itself: relabel them as they are taken.
@@ -111,20 +117,24 @@ class CpuTier:
 
     # --------------------------------------------------------------- pins
     def pin(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Reference blocks: LRU eviction cannot take them until :meth:`unpin`."""
+        """Reference blocks: eviction cannot take them until :meth:`unpin`."""
         self.pool.touch([b for b in blocks if not b.is_null])
 
     def unpin(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self.pool.free_blocks([b for b in blocks if not b.is_null])
+        self.eviction.release([b for b in blocks if not b.is_null])
 
     def pin_hit(self, hit: Hit) -> None:
         self.pool.touch([b for group in hit for b in group if not b.is_null])
 
     def unpin_hit(self, hit: Hit) -> None:
-        self.pool.free_blocks([b for group in hit for b in group if not b.is_null])
+        self.eviction.release([b for group in hit for b in group if not b.is_null])
 
     def unpin_ids(self, block_ids: Iterable[int]) -> None:
-        unpin_ids(self.pool, block_ids)
+        self.eviction.release([self.pool.blocks[b] for b in block_ids])
+
+    def record_load(self, block_ids: Sequence[int]) -> None:
+        """These blocks were copied to the device (a hit): the policy counts a reuse."""
+        self.eviction.on_loaded([self.pool.blocks[b] for b in block_ids])
 
     def num_pinned_blocks(self) -> int:
         """Blocks referenced by a hit or a copy (0 when the tier is idle)."""
@@ -135,8 +145,10 @@ class CpuTier:
         return self.pool.get_num_free_blocks()
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Fresh pinned blocks; LRU eviction of unpinned cached blocks happens here."""
-        return self.pool.get_new_blocks(num_blocks)
+        """Fresh pinned blocks; eviction of unpinned cached blocks happens here."""
+        blocks = self.pool.get_new_blocks(num_blocks)
+        self.eviction.on_allocated(blocks)
+        return blocks
 
     def blocks(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
         return [self.pool.blocks[b] for b in block_ids]
@@ -146,15 +158,18 @@ class CpuTier:
         for block, block_hash in zip(blocks, hashes):
             # vLLM has no public "insert this hash" call (see vllm_compat).
             vllm_compat.insert_block_hash(self.pool, block_hash, block)
+        self.eviction.on_stored(blocks, hashes)
         if self.emit_kv_events:
             self._queue_stored_events(hashes)
 
     def drop(self, block_ids: Iterable[int]) -> None:
         """Stop offering these blocks (their copy failed): they are evicted."""
-        self.pool.evict_blocks(set(block_ids))
+        block_ids = set(block_ids)
+        self.pool.evict_blocks(block_ids)
+        self.eviction.on_dropped(block_ids)
 
     def drop_all(self) -> None:
-        self.pool.evict_blocks(set(range(self.num_blocks)))
+        self.drop(range(self.num_blocks))
 
     # ------------------------------------------------------------- events
     def _queue_stored_events(self, hashes: Sequence[Any]) -> None:

@@ -95,7 +95,7 @@ class OffloadScheduler:
         self.cpu = CpuTier(vllm_config, kv_cache_config,
                            num_cpu_blocks(kv_cache_config,
                                           config.cpu_bytes_per_rank(self.world_size)),
-                           block_size, hash_block_size)
+                           block_size, hash_block_size, eviction=config.eviction)
         self.stats = StatsLedger()
         self.policy = _make_policy(config, kv_cache_config, vllm_config, self.cpu)
         self.cascade = self._make_cascade(kv_cache_config)
@@ -240,6 +240,7 @@ class OffloadScheduler:
     def _finish_load(self, load: _Load, ok: bool) -> None:
         if ok:
             self.stats.record_load(len(load.gpu_ids), load.num_tokens)
+            self.cpu.record_load(load.cpu_ids)
         else:
             # vLLM recomputes the request's KV. Stop offering this copy, or the
             # retry would hit it and fail the same way again.
