@@ -166,7 +166,7 @@ class AdaptiveEviction(Eviction):
         if probation:
             for b in probation:
                 queue.remove(b)
-            queue.prepend_n(probation[::-1])  # the deepest block ends up first
+            queue.prepend_n(probation)  # deepest first: it is the next one evicted
 
 
 class ShadowDuel:

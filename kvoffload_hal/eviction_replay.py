@@ -81,7 +81,11 @@ class KeyHashes:
 
 
 def make_replay_tier(num_blocks: int, eviction: str) -> CpuTier:
-    """A CPU tier of ``num_blocks`` blocks for one full-attention layer, no engine."""
+    """A CPU tier that caches ``num_blocks`` blocks of one full-attention layer, no engine.
+
+    The pool gets one more block: vLLM's ``BlockPool`` keeps block 0 as its null block.
+    """
+    num_blocks += 1
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 

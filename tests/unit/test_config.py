@@ -39,6 +39,19 @@ def test_load_mode_must_be_one_of_three(value):
                             "of auto, async, sync")
 
 
+@pytest.mark.parametrize("value", ["LRU", "arc", 1, None])
+def test_eviction_must_be_one_of_the_policies(value):
+    with pytest.raises(ValueError) as e:
+        OffloadConfig.from_extra_config({"eviction": value})
+    assert str(e.value) == (f"kv_connector_extra_config['eviction']={value!r}: expected one "
+                            "of lru, adaptive")
+
+
+def test_eviction_defaults_to_adaptive_and_lru_stays_available():
+    assert OffloadConfig.from_extra_config(None).eviction == "adaptive"
+    assert OffloadConfig.from_extra_config({"eviction": "lru"}).eviction == "lru"
+
+
 def test_unknown_keys_give_one_warning_listing_valid_keys(caplog):
     with caplog.at_level(logging.WARNING):
         config = OffloadConfig.from_extra_config(

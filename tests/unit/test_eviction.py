@@ -1,0 +1,94 @@
+"""The CPU tier's eviction order, on the real tier (vLLM's BlockPool and coordinator).
+
+Requests are replayed as the scheduler drives the tier (find the hit, pin it,
+load it, store the misses, publish, unpin): see ``eviction_replay``.
+"""
+
+import pytest
+
+from kvoffload_hal.eviction import AdaptiveEviction
+from kvoffload_hal.eviction_replay import KeyHashes, make_replay_tier, replay_tier
+
+
+def _tier(num_blocks, eviction="adaptive", mode="duel", ghosts=True):
+    tier = make_replay_tier(num_blocks, eviction)
+    if eviction == "adaptive":
+        tier.eviction = AdaptiveEviction(tier.pool, num_blocks, mode=mode, ghosts=ghosts)
+    return tier
+
+
+def _chain(doc, n):
+    return [doc * 1000 + i for i in range(n)]
+
+
+def _hit_blocks(tier, request, hashes):
+    return tier.find_hit([hashes(k) for k in request], 0, 1 << 30)[1] // tier.block_size
+
+
+@pytest.mark.parametrize("eviction, a_hits, b_hits", [("lru", 0, 4), ("adaptive", 4, 2)])
+def test_a_block_never_loaded_goes_before_a_loaded_one(eviction, a_hits, b_hits):
+    """A was loaded back, B never was: storing C evicts B's deepest blocks, not A.
+    vLLM's LRU evicts A, the oldest, from its first block on."""
+    tier, hashes = _tier(8, eviction, mode="head"), KeyHashes()
+    a, b, c = _chain(1, 4), _chain(2, 4), _chain(3, 2)
+    replay_tier(tier, [a, a, b, c], hashes)
+    assert _hit_blocks(tier, a, hashes) == a_hits
+    assert _hit_blocks(tier, b, hashes) == b_hits
+
+
+def test_blocks_of_one_release_go_deepest_first():
+    """A partly evicted prefix keeps its head: the hit survives, shorter."""
+    tier, hashes = _tier(8, mode="tail"), KeyHashes()
+    a, b = _chain(1, 6), _chain(2, 4)
+    replay_tier(tier, [a, b], hashes)  # B needs 2 of A's 6 blocks
+    assert _hit_blocks(tier, a, hashes) == 4
+    lru, hashes = _tier(8, "lru"), KeyHashes()
+    replay_tier(lru, [a, b], hashes)
+    assert _hit_blocks(lru, a, hashes) == 0  # vLLM's order takes A's first blocks
+
+
+def test_a_block_stored_again_after_an_unused_eviction_is_protected():
+    """Ghosts: H is evicted without a hit and stored again, so it is wanted twice;
+    it then outlives the blocks stored once after it. Without ghosts it is
+    probation again and the next store evicts it."""
+    f, h, s, t = _chain(1, 4), _chain(2, 2), _chain(3, 2), _chain(4, 2)
+    trace = [f, h, s, h, t]  # s evicts h (never loaded); h comes back
+    for ghosts, h_hits in ((True, 2), (False, 0)):
+        tier, hashes = _tier(4, mode="head", ghosts=ghosts), KeyHashes()
+        assert replay_tier(tier, trace, hashes) == 0
+        assert _hit_blocks(tier, h, hashes) == h_hits
+
+
+def _cyclic(num_docs, blocks, rounds):
+    return [_chain(d, blocks) for _ in range(rounds) for d in range(num_docs)]
+
+
+def _recent(num_docs, blocks):
+    """Each document read twice in a row, then never again: recency is everything."""
+    return [_chain(d, blocks) for d in range(num_docs) for _ in range(2)]
+
+
+def test_the_duel_inserts_at_the_head_on_a_loop_larger_than_the_tier():
+    trace = _cyclic(20, 16, 6)  # 320 blocks through a tier of 256
+    lru = replay_tier(_tier(256, "lru"), trace)
+    tier = _tier(256)
+    adaptive = replay_tier(tier, trace)
+    assert tier.eviction.duel.head_wins()
+    assert lru == 0 and adaptive > 0.5 * 256 * 5  # LRU thrashes, the duel keeps most
+
+
+def test_the_duel_keeps_lru_insertion_where_recency_is_right():
+    trace = _recent(200, 8)
+    tier = _tier(256)
+    hits = replay_tier(tier, trace)
+    assert not tier.eviction.duel.head_wins()
+    assert hits == replay_tier(_tier(256, "lru"), trace) == 200 * 8
+
+
+def test_reset_forgets_protection():
+    tier, hashes = _tier(8, mode="head"), KeyHashes()
+    a = _chain(1, 4)
+    replay_tier(tier, [a, a], hashes)
+    tier.drop_all()
+    assert tier.eviction._loaded == set()
+    assert _hit_blocks(tier, a, hashes) == 0
