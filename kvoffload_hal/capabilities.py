@@ -9,7 +9,8 @@ backend (its class only: nothing is instantiated, no device is touched):
   disk tier and synchronous loads rely on that mapping.
 * ``synchronous_compute``: the backend's forward pass has finished when the
   worker submits a step's copies (vLLM's CPU platform), as the HAL states.
-* ``sync_loads``: ``load_mode`` resolved; ``disk_tier``: the disk tier runs.
+* ``sync_loads``: ``load_mode`` resolved; ``disk_tier``: the disk tier runs;
+  ``mooncake_tier``: the Mooncake tier is configured.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ class Capabilities:
     synchronous_compute: bool
     sync_loads: bool
     disk_tier: bool
+    mooncake_tier: bool = False
+
+    @property
+    def secondary_tier(self) -> bool:
+        """A tier behind the CPU tier runs (disk or Mooncake)."""
+        return self.disk_tier or self.mooncake_tier
 
     @property
     def report_failed_blocks(self) -> bool:
@@ -55,4 +62,5 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
     else:
         sync_loads = config.load_mode == "sync"
     return Capabilities(single_group, synchronous_compute, sync_loads,
-                        disk_tier=config.disk_enabled and single_group)
+                        disk_tier=config.disk_enabled and single_group,
+                        mooncake_tier=config.mooncake is not None and single_group)

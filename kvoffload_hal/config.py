@@ -33,6 +33,25 @@ key                    default     meaning
                                    more hits lately; see ``eviction.py``)
 =====================  ==========  =================================================
 
+The Mooncake tier (``tiers/mooncake_config.py``; not with ``disk_path``):
+
+==============================  ===============  ======================================
+key                             default          meaning
+==============================  ===============  ======================================
+``mooncake_master``             (none)           ``host:port`` of ``mooncake_master``:
+                                                 a cluster-wide tier behind the CPU tier
+``mooncake_protocol``           ``tcp``          ``tcp``, ``rdma`` or ``ascend``
+``mooncake_local_hostname``     ``127.0.0.1``    address peers reach this instance at
+                                                 (required off loopback)
+``mooncake_metadata_server``    ``P2PHANDSHAKE`` Mooncake's metadata service
+``mooncake_rdma_devices``       ``""``           RDMA devices (empty: all)
+``mooncake_segment_bytes``      1 GiB            host memory each rank adds to the pool
+``mooncake_buffer_bytes``       64 MiB           the client's transfer buffer
+``mooncake_timeout_s``          5.0              longest wait for a query or a read
+``mooncake_connect_timeout_s``  5.0              longest wait for the master at start-up
+``mooncake_required``           ``false``        refuse to start without the master
+==============================  ===============  ======================================
+
 Validated once at start-up: a wrong type or range raises ``ValueError`` naming the
 key, the value and what was expected; unknown keys give one warning listing the
 valid keys.
@@ -40,6 +59,7 @@ valid keys.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
@@ -48,6 +68,7 @@ from typing import Any
 from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.dirs import DIR_MODE, check_private_dir
+from kvoffload_hal.tiers.mooncake_config import MOONCAKE_KEYS, MooncakeConfig, parse_mooncake
 
 logger = init_logger(__name__)
 
@@ -59,6 +80,7 @@ DEFAULT_CPU_BYTES_TO_USE = 4 << 30
 VALID_KEYS = ("cpu_bytes_to_use", "lazy_offload", "disk_path", "disk_bytes_to_use",
               "disk_o_direct", "load_mode", "allow_overcommit", "eviction")
 LOAD_MODES = ("auto", "async", "sync")
+VALID_KEYS += MOONCAKE_KEYS  # the Mooncake tier's, parsed in tiers/mooncake_config.py
 
 
 def _positive_int(key: str, value: Any) -> int:
@@ -85,6 +107,7 @@ class OffloadConfig:
     load_mode: str = "auto"
     allow_overcommit: bool = False
     eviction: str = DEFAULT_EVICTION
+    mooncake: MooncakeConfig | None = None
 
     @property
     def disk_enabled(self) -> bool:
@@ -92,6 +115,11 @@ class OffloadConfig:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> OffloadConfig:
+        mooncake = parse_mooncake(dict(extra or {}))
+        return dataclasses.replace(cls._from_core_keys(extra), mooncake=mooncake)
+
+    @classmethod
+    def _from_core_keys(cls, extra: dict[str, Any] | None) -> OffloadConfig:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(VALID_KEYS))
         if unknown:

@@ -57,11 +57,13 @@ class TierJobSpec(NamedTuple):
 
 
 class TierJobs(NamedTuple):
-    """A step's secondary-tier work: write-through spills, promotions, keys to delete."""
+    """A step's secondary-tier work: write-through spills, promotions, keys to delete,
+    and existence queries of a shared tier (items ``(key, -1)``; missing keys fail)."""
 
     spill: TierJobSpec | None = None
     promote: TierJobSpec | None = None
     evictions: tuple[BlockKey, ...] = ()
+    probe: TierJobSpec | None = None
 
 
 @dataclass

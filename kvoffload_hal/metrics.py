@@ -28,6 +28,11 @@ COUNTERS: dict[str, str] = {
     "failed_jobs": "Copy jobs that failed (their blocks are recomputed, never used)",
     "blocks_to_disk": "KV blocks written from the CPU tier to the disk tier",
     "blocks_from_disk": "KV blocks promoted from the disk tier to the CPU tier",
+    "blocks_to_mooncake": "KV blocks written from the CPU tier to the Mooncake store",
+    "blocks_from_mooncake": "KV blocks promoted from the Mooncake store to the CPU tier",
+    "mooncake_timeouts": "Mooncake queries or reads a request stopped waiting for (recomputed)",
+    "mooncake_failed_blocks": "Mooncake blocks that failed to write or read (missing, evicted, "
+                              "corrupted, unreachable): recomputed, never used",
     "copy_path_fallbacks": "Workers whose backend left its batched copy call for a per-copy "
                            "loop because the runtime answered 'not supported'",
 }
@@ -51,6 +56,13 @@ class _Recorder:
             self._add("blocks_to_disk", spilled)
         if promoted:
             self._add("blocks_from_disk", promoted)
+
+    def record_mooncake(self, spilled: int = 0, promoted: int = 0, timeouts: int = 0,
+                        failed: int = 0) -> None:
+        for key, value in (("blocks_to_mooncake", spilled), ("blocks_from_mooncake", promoted),
+                           ("mooncake_timeouts", timeouts), ("mooncake_failed_blocks", failed)):
+            if value:
+                self._add(key, value)
 
     def record_copy_path_fallback(self) -> None:
         self._add("copy_path_fallbacks", 1)

@@ -51,6 +51,7 @@ from kvoffload_hal.store_policy import (
 from kvoffload_hal.tally import RankTally
 from kvoffload_hal.tiers.base import TierIndex
 from kvoffload_hal.tiers.cascade import NullCascade, TierCascade
+from kvoffload_hal.tiers.shared import make_shared_cascade
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,6 +113,13 @@ class OffloadScheduler:
         )
 
     def _make_cascade(self, kv_cache_config: KVCacheConfig) -> NullCascade:
+        if self.config.mooncake is not None:
+            if not self.caps.mooncake_tier:
+                logger.warning("HALOffloadConnector: the Mooncake tier supports models with one "
+                               "KV cache group; it is disabled for this model")
+                return NullCascade()
+            return make_shared_cascade(self.config.mooncake, self.cpu, self.world_size,
+                                       self.stats)
         if not self.caps.disk_tier:
             if self.config.disk_enabled:
                 logger.warning("HALOffloadConnector: the disk tier supports models with one KV "
@@ -149,7 +157,7 @@ class OffloadScheduler:
             return 0, False
         hit, hit_tokens = self.cpu.find_hit(request.block_hashes, start, max_hit_tokens)
         # Without a disk tier a CPU miss is final (most waiting requests, most steps).
-        if self.caps.disk_tier and self.cascade.lookup(
+        if self.caps.secondary_tier and self.cascade.lookup(
                 request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
                 (num_computed_tokens + max_hit_tokens) // self.block_size):
             return None, False  # a promotion into the CPU tier is in flight: ask again later

@@ -40,6 +40,7 @@ from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
 from kvoffload_hal.tiers.base import NullTier, SecondaryTier
 from kvoffload_hal.tiers.disk import DiskTier
 from kvoffload_hal.tiers.identity import kv_fingerprint
+from kvoffload_hal.tiers.mooncake import open_mooncake_tier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,11 +103,15 @@ class OffloadWorker:
         backend.bind(regions, host_regions)
         self.backend = backend
         self._copy_path = CopyPathWatch(backend)
-        if self.caps.disk_tier:
+        if self.caps.secondary_tier:
             fingerprint = kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank)
-            self.tier = DiskTier(self.config.disk_path, self.rank,
-                                 self._host_block_views(host_regions), self.config.disk_o_direct,
-                                 fingerprint)
+            views = self._host_block_views(host_regions)
+            if self.caps.disk_tier:
+                self.tier = DiskTier(self.config.disk_path, self.rank, views,
+                                     self.config.disk_o_direct, fingerprint)
+            else:
+                self.tier = open_mooncake_tier(self.config.mooncake, self.host_buffer, views,
+                                               fingerprint)
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB) on the %r backend",
@@ -189,6 +194,8 @@ class OffloadWorker:
                 self.tier.submit_load(tier.promote.job_id, tier.promote.items)
             if tier.evictions:
                 self.tier.evict(tier.evictions)
+            if tier.probe is not None:
+                self.tier.submit_probe(tier.probe.job_id, [k for k, _ in tier.probe.items])
         return launched
 
     def _launch_load(self) -> None:

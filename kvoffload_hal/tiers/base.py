@@ -26,6 +26,9 @@ Contract of :class:`SecondaryTier` (every method on the engine thread):
     failed.
 ``evict(keys)``
     Forget and delete entries; never called for a key with a job in flight.
+``submit_probe(job_id, keys)`` (shared tiers only)
+    Ask which keys the tier holds now, for blocks other instances wrote; the
+    job's result fails the keys it does not hold.
 ``shutdown(timeout_s)``
     Stop, waiting at most ``timeout_s`` for jobs in flight. True when no job
     still runs; False when one may still read or write CPU-tier memory.
@@ -71,6 +74,11 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def evict(self, keys: Iterable[BlockKey]) -> None: ...
+
+    def submit_probe(self, job_id: int, keys: Sequence[BlockKey]) -> None:
+        """A shared tier only: ask which ``keys`` the tier holds now; the job's
+        result fails the keys it does not hold."""
+        raise NotImplementedError(f"the {self.name} tier answers no existence queries")
 
     def shutdown(self, timeout_s: float = 10.0) -> bool:
         return True

@@ -196,7 +196,7 @@ class TierCascade(NullCascade):
         else:
             self.index.commit(ok)
             self.index.drop(job.failed)
-            self.stats.record_disk(spilled=len(ok), promoted=0)
+            self._record_moved(len(ok), 0)
         self.cpu.unpin(job.blocks)
 
     def _finish_promotion(self, job: _TierJob) -> None:
@@ -206,7 +206,7 @@ class TierCascade(NullCascade):
         n_ok = next((i for i, k in enumerate(job.keys) if k in job.failed), len(job.keys))
         if not job.abandoned:
             self.cpu.publish(job.blocks[:n_ok], job.hashes[:n_ok])
-            self.stats.record_disk(spilled=0, promoted=n_ok)
+            self._record_moved(0, n_ok)
         if job.req_id is not None:
             self._promoting.pop(job.req_id, None)
             if job.failed:
@@ -216,6 +216,9 @@ class TierCascade(NullCascade):
             self.cpu.unpin(job.blocks[n_ok:])
         else:
             self.cpu.unpin(job.blocks)
+
+    def _record_moved(self, spilled: int, promoted: int) -> None:
+        self.stats.record_disk(spilled=spilled, promoted=promoted)
 
     # --------------------------------------------------------------- misc
     def reset(self) -> None:

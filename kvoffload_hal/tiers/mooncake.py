@@ -1,0 +1,280 @@
+"""Mooncake Store secondary tier: CPU-tier blocks in a store every instance shares.
+
+**Keys.** ``kvhal/<fingerprint>/<block key>``: the block key is vLLM's block
+hash (the tokens and everything before them); the fingerprint
+(:func:`~kvoffload_hal.tiers.identity.kv_fingerprint`) names the model,
+revision, dtypes, KV layout, block size, TP/PP sizes, this rank and the
+block-hash function and seed. Instances of another model or layout, or other
+ranks, use other keys: they never see each other's blocks.
+
+**Values.** A header (magic, format version, CRC-32, key length, the
+fingerprint, payload length), the key, then the block's bytes in every host
+region. The CRC covers the header after its own field, the key and the
+payload. Every read checks all of it: a missing or evicted object, one of
+another size (half-written), another key or fingerprint, or a wrong checksum
+fails that key, which is recomputed; a value that fails its check is removed
+from the store.
+
+**Zero copy.** The CPU tier's host buffer and a header area (one slot per
+CPU block) are registered with the client once; puts and gets move each
+block straight between the store and its host regions with
+``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``, a batch
+per call. Existence queries are ``batch_is_exist``.
+
+**Never on the engine thread.** Every client call runs on a small thread
+pool; :meth:`poll` only collects finished calls. The scheduler bounds how
+long a request waits for a query or a read (``mooncake_timeout_s``) and
+recomputes after that; the CPU blocks of a read it stopped waiting for stay
+referenced until the read really ends, so a late read never lands in a
+reused block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvoffload_hal.hal.plumbing import log_once
+from kvoffload_hal.logger import init_logger
+from kvoffload_hal.tiers.base import BlockKey, SecondaryTier, TierItem, TierJobResult
+from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
+from kvoffload_hal.tiers.mooncake_client import (
+    MooncakeUnavailable,
+    connect,
+    refuse_or_warn,
+    register,
+    tier_available,
+)
+
+if TYPE_CHECKING:
+    from kvoffload_hal.tiers.mooncake_config import MooncakeConfig
+
+logger = init_logger(__name__)
+
+MAGIC = b"KVHALMC1"
+FORMAT_VERSION = 1
+# magic, version, crc32, key bytes, reserved, fingerprint, payload bytes
+HEADER = struct.Struct(f"<8sIIHH{FINGERPRINT_BYTES}sQ")
+_CRC_FROM = 16  # the CRC covers the header after its own field, the key and the payload
+# One registered slot per CPU block holds its header and key; block keys are
+# hex of vLLM's block hash with a group id (about 72 characters).
+HEADER_SLOT_BYTES = 256
+MAX_KEY_BYTES = HEADER_SLOT_BYTES - HEADER.size
+BATCH_KEYS = 64  # keys per client call: one RPC round trip carries many blocks
+IO_THREADS = 2
+
+
+class MooncakeTier(SecondaryTier):
+    name = "mooncake"
+
+    def __init__(self, client: Any, host_buffer: torch.Tensor,
+                 host_views: Sequence[torch.Tensor], fingerprint: bytes) -> None:
+        """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view of
+        ``host_buffer`` per host region; ``fingerprint``: what the bytes depend on."""
+        if len(fingerprint) != FINGERPRINT_BYTES:
+            raise ValueError(f"fingerprint of {len(fingerprint)} bytes, expected "
+                             f"{FINGERPRINT_BYTES}")
+        self.client = client
+        self.views = list(host_views)
+        self.payload_bytes = sum(v.shape[1] for v in self.views)
+        self.fingerprint = fingerprint
+        self.prefix = f"kvhal/{fingerprint.hex()}/"
+        num_blocks = self.views[0].shape[0]
+        self._headers = torch.zeros(num_blocks, HEADER_SLOT_BYTES, dtype=torch.uint8)
+        self._registered = [host_buffer.data_ptr(), self._headers.data_ptr()]
+        register(client, host_buffer.data_ptr(), host_buffer.numel(), "CPU tier's host buffer")
+        register(client, self._headers.data_ptr(), self._headers.numel(), "header area")
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvoffload-mooncake")
+        self._jobs: dict[int, list[Future]] = {}
+
+    # ------------------------------------------------------------- the ABC
+    def submit_store(self, job_id: int, items: Sequence[TierItem]) -> None:
+        self._jobs[job_id] = self._submit(self._put_batch, items)
+
+    def submit_load(self, job_id: int, items: Sequence[TierItem]) -> None:
+        self._jobs[job_id] = self._submit(self._get_batch, items)
+
+    def submit_probe(self, job_id: int, keys: Sequence[BlockKey]) -> None:
+        self._jobs[job_id] = self._submit(self._exist_batch, [(k, -1) for k in keys])
+
+    def poll(self) -> list[TierJobResult]:
+        results = []
+        for job_id in [j for j, fs in self._jobs.items() if all(f.done() for f in fs)]:
+            failed = tuple(k for f in self._jobs.pop(job_id) for k in f.result())
+            results.append(TierJobResult(job_id, failed))
+        return results
+
+    def evict(self, keys: Iterable[BlockKey]) -> None:
+        """Nothing to delete: other instances may read these objects; the
+        master evicts by itself when the pool is full."""
+
+    def shutdown(self, timeout_s: float = 10.0) -> bool:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        running = [f for fs in self._jobs.values() for f in fs]
+        _, not_done = futures_wait(running, timeout=timeout_s)
+        if not_done:
+            logger.warning("Mooncake tier: %d call(s) still running after %.0f s at shutdown",
+                           len(not_done), timeout_s)
+            return False
+        for ptr in self._registered:
+            self.client.unregister_buffer(ptr)
+        self.client.close()
+        return True
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._jobs)
+
+    # ----------------------------------------------------------- the calls
+    def _submit(self, call, items: Sequence[TierItem]) -> list[Future]:
+        items = list(items)
+        return [self._pool.submit(_guarded, call, items[i:i + BATCH_KEYS])
+                for i in range(0, len(items), BATCH_KEYS)]
+
+    def store_key(self, key: BlockKey) -> str:
+        return self.prefix + key
+
+    def _buffers(self, items: list[TierItem]) -> tuple[list[list[int]], list[list[int]]]:
+        ptrs, sizes = [], []
+        for key, block in items:
+            ptrs.append([self._headers[block].data_ptr()]
+                        + [v[block].data_ptr() for v in self.views])
+            sizes.append([HEADER.size + len(key)] + [v.shape[1] for v in self.views])
+        return ptrs, sizes
+
+    def _put_batch(self, items: list[TierItem]) -> list[BlockKey]:
+        for key, block in items:
+            self._write_header(key, block)
+        ptrs, sizes = self._buffers(items)
+        codes = self.client.batch_put_from_multi_buffers(
+            [self.store_key(k) for k, _ in items], ptrs, sizes)
+        return [k for (k, _), code in zip(items, codes) if code != 0]
+
+    def _get_batch(self, items: list[TierItem]) -> list[BlockKey]:
+        ptrs, sizes = self._buffers(items)
+        codes = self.client.batch_get_into_multi_buffers(
+            [self.store_key(k) for k, _ in items], ptrs, sizes)
+        failed = []
+        for (key, block), code, size in zip(items, codes, sizes):
+            why = (f"read failed (code {code})" if code < 0
+                   else f"{code} bytes, expected {sum(size)}" if code != sum(size)
+                   else self._check(key, block))
+            if why is not None:
+                failed.append(self._unusable(key, why, remove=code >= 0))
+        return failed
+
+    def _exist_batch(self, items: list[TierItem]) -> list[BlockKey]:
+        answers = self.client.batch_is_exist([self.store_key(k) for k, _ in items])
+        return [k for (k, _), present in zip(items, answers) if present != 1]
+
+    # ------------------------------------------------------------ values
+    def _crc(self, header_tail: bytes, key_bytes: bytes, block: int) -> int:
+        crc = zlib.crc32(key_bytes, zlib.crc32(header_tail))
+        for view in self.views:
+            crc = zlib.crc32(view[block].numpy(), crc)
+        return crc
+
+    def _write_header(self, key: BlockKey, block: int) -> None:
+        key_bytes = key.encode("ascii")
+        if len(key_bytes) > MAX_KEY_BYTES:
+            raise ValueError(f"block key of {len(key_bytes)} bytes, at most {MAX_KEY_BYTES}")
+        fields = (len(key_bytes), 0, self.fingerprint, self.payload_bytes)
+        tail = HEADER.pack(MAGIC, FORMAT_VERSION, 0, *fields)[_CRC_FROM:]
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, self._crc(tail, key_bytes, block), *fields)
+        slot = self._headers[block].numpy()
+        slot[:HEADER.size] = np.frombuffer(header, dtype=np.uint8)
+        slot[HEADER.size:HEADER.size + len(key_bytes)] = np.frombuffer(key_bytes, dtype=np.uint8)
+
+    def _check(self, key: BlockKey, block: int) -> str | None:
+        """Why the value just read into ``block`` is unusable, or None when it is sound."""
+        slot = self._headers[block].numpy().tobytes()
+        magic, version, crc, key_len, _, fingerprint, length = HEADER.unpack_from(slot)
+        key_bytes = key.encode("ascii")
+        if magic != MAGIC or version != FORMAT_VERSION:
+            return "unknown header"
+        if slot[HEADER.size:HEADER.size + key_len] != key_bytes:
+            return "written for another key"
+        if fingerprint != self.fingerprint:
+            return "written by another model, KV layout or rank"
+        if length != self.payload_bytes:
+            return f"{length} payload bytes, expected {self.payload_bytes}"
+        if self._crc(slot[_CRC_FROM:HEADER.size], key_bytes, block) != crc:
+            return "checksum mismatch"
+        return None
+
+    def _unusable(self, key: BlockKey, why: str, remove: bool) -> BlockKey:
+        log_once(logger, logging.WARNING, "Mooncake tier: a block is unusable (%s); such "
+                 "blocks are recomputed", why.split(" (")[0])
+        logger.debug("Mooncake tier: block %s is unusable: %s", key, why)
+        if remove:  # a value that fails its check would fail every instance's read
+            self.client.remove(self.store_key(key), True)
+        return key
+
+
+def _guarded(call, items: list[TierItem]) -> list[BlockKey]:
+    """Run one client call; any exception fails its keys (recomputed), never the step."""
+    try:
+        return call(items)
+    except Exception as e:  # noqa: BLE001 - any fault fails the keys, never the step
+        log_once(logger, logging.WARNING, "Mooncake tier: a call failed with %s; its blocks "
+                 "are recomputed", type(e).__name__)
+        logger.debug("Mooncake tier: call failed: %r", e)
+        return [k for k, _ in items]
+
+
+class UnavailableTier(SecondaryTier):
+    """A Mooncake tier that could not start in this worker: every job fails at
+    once (its blocks are recomputed), every existence query answers "missing"."""
+
+    name = "mooncake-unavailable"
+
+    def __init__(self) -> None:
+        self._results: list[TierJobResult] = []
+
+    def submit_store(self, job_id: int, items: Sequence[TierItem]) -> None:
+        self._results.append(TierJobResult(job_id, tuple(k for k, _ in items)))
+
+    submit_load = submit_store
+
+    def submit_probe(self, job_id: int, keys: Sequence[BlockKey]) -> None:
+        self._results.append(TierJobResult(job_id, tuple(keys)))
+
+    def poll(self) -> list[TierJobResult]:
+        results, self._results = self._results, []
+        return results
+
+    def evict(self, keys: Iterable[BlockKey]) -> None:
+        pass
+
+
+def open_mooncake_tier(cfg: MooncakeConfig, host_buffer: torch.Tensor,
+                       host_views: Sequence[torch.Tensor], fingerprint: bytes) -> SecondaryTier:
+    """The worker's Mooncake tier, or an :class:`UnavailableTier` (with one warning)
+    when the master cannot be reached or the client cannot start."""
+    if not tier_available(cfg, "worker"):
+        return UnavailableTier()
+    if os.environ.get("PYTHONHASHSEED") is None:
+        logger.warning("Mooncake tier: PYTHONHASHSEED is not set, so vLLM's block hashes "
+                       "differ per process: other instances will not find this one's "
+                       "blocks (set the same PYTHONHASHSEED on every instance)")
+    client = None
+    try:
+        client = connect(cfg)
+        tier = MooncakeTier(client, host_buffer, host_views, fingerprint)
+    except MooncakeUnavailable as e:
+        if client is not None:
+            client.close()
+        refuse_or_warn(cfg, "worker", str(e))
+        return UnavailableTier()
+    logger.info("Mooncake tier: master %s over %s, %d MiB contributed to the pool",
+                cfg.master, cfg.protocol, cfg.segment_bytes >> 20)
+    return tier

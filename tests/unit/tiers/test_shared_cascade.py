@@ -1,0 +1,99 @@
+"""SharedTierCascade against a real CpuTier: existence queries, bounded waits, what is learned."""
+
+import pytest
+
+from kvoffload_hal.metadata import JobReport
+from kvoffload_hal.metrics import StatsLedger
+from kvoffload_hal.tiers.shared import SharedTierCascade, SharedTierIndex
+
+BS = 16
+TIMEOUT_S = 5.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def shared(make_engine):
+    engine = make_engine(cpu_blocks=8)
+    clock = Clock()
+    tiers = SharedTierCascade(SharedTierIndex(64), engine.offload.cpu, world_size=2,
+                              stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=clock)
+    return engine, engine.offload.cpu, tiers, clock
+
+
+def _request(engine, n, seed=0):
+    req = engine.add(f"r{seed}", [seed + 1 + i % 50 for i in range(n * BS + 1)])
+    engine.scheduler.waiting.remove(req)
+    return req
+
+
+def _keys(req, n):
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return [make_block_hash_with_group_id(h, 0).hex() for h in req.block_hashes[:n]]
+
+
+def test_a_miss_asks_the_store_then_promotes_what_every_rank_holds(shared):
+    engine, cpu, tiers, _ = shared
+    req = _request(engine, 4)
+    keys = _keys(req, 4)
+    assert tiers.lookup(req, (), 0, 4) is True  # asking the store: ask again later
+    probe = tiers.take_jobs().probe
+    assert [k for k, _ in probe.items] == keys
+    assert tiers.lookup(req, (), 0, 4) is True and tiers.take_jobs().probe is None  # once
+    # Rank 0 holds all four, rank 1 misses the third: blocks 0-1 are readable.
+    tiers.on_reports({probe.job_id: JobReport(ranks=1)})
+    tiers.on_reports({probe.job_id: JobReport(ranks=1, failed_keys=(keys[2],))})
+    assert tiers.lookup(req, (), 0, 4) is True  # promotion started
+    promote = tiers.take_jobs().promote
+    assert [k for k, _ in promote.items] == keys[:2]
+    tiers.on_reports({promote.job_id: JobReport(ranks=2)})
+    assert cpu.find_hit(req.block_hashes, 0, 10_000)[1] == 2 * BS
+    assert tiers.stats.totals.data["blocks_from_mooncake"] == 2
+    assert tiers.lookup(req, (), 2, 4) is False  # the store has nothing more for it
+    tiers.request_finished(req.request_id)
+    assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
+
+
+def test_a_probe_that_does_not_answer_in_time_is_a_miss(shared):
+    engine, _, tiers, clock = shared
+    req = _request(engine, 3)
+    assert tiers.lookup(req, (), 0, 3) is True
+    probe = tiers.take_jobs().probe
+    clock.now += TIMEOUT_S + 0.1
+    assert tiers.lookup(req, (), 0, 3) is False  # recomputes now
+    assert tiers.stats.totals.data["mooncake_timeouts"] == 1
+    tiers.on_reports({probe.job_id: JobReport(ranks=2)})  # the late answer is still learned
+    assert tiers.lookup(req, (), 0, 3) is False  # but this request no longer waits
+    tiers.request_finished(req.request_id)
+    assert not tiers.has_pending()
+
+
+def test_a_read_that_times_out_keeps_its_blocks_until_it_really_ends(shared):
+    engine, cpu, tiers, clock = shared
+    req = _request(engine, 3)
+    tiers.index.learn(_keys(req, 3))  # known from earlier: no probe needed
+    assert tiers.lookup(req, (), 0, 3) is True
+    promote = tiers.take_jobs().promote
+    assert promote is not None and cpu.num_pinned_blocks() == 3
+    clock.now += TIMEOUT_S + 0.1
+    assert tiers.lookup(req, (), 0, 3) is False  # the request stops waiting
+    assert cpu.num_pinned_blocks() == 3  # the late read may still write them
+    tiers.request_finished(req.request_id)
+    assert cpu.num_pinned_blocks() == 3
+    tiers.on_reports({promote.job_id: JobReport(ranks=2)})
+    assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
+
+
+def test_evictions_never_reach_the_shared_store(shared):
+    engine, cpu, _, _ = shared
+    index = SharedTierIndex(2)
+    index.learn(["a", "b", "c"])  # over capacity: the oldest is forgotten here only
+    assert "a" not in index and index.is_ready("c")
+    assert index.take_evicted() == []
