@@ -25,12 +25,20 @@ disk tier behind the CPU tier big enough for every document (write-through, so
 the warm-up pass fills it). It matters where the working set outgrows the CPU
 tier: at 64 documents a CPU tier of 30 serves few hits in a random order.
 
+Engine (3) runs once per ``--eviction`` policy (the first is named
+``prefix-cache+offload``, others ``prefix-cache+offload[<policy>]``). Its CPU
+tier records its block access trace; the eviction summary gives its hit
+blocks as a fraction of Belady's optimum on that trace, next to LRU's and
+vLLM's offloading policies' replays of it, and its computed tokens against
+the minimum (every prefix served from a cache).
+
 Reported per engine: wall time of the measured pass, TTFT mean/p50/p99 (from
 ``RequestOutput.metrics.first_token_latency``: vLLM fills it offline when stats
 logging is enabled), prompt tokens served from a cache, and the connector's CPU
 tier hits. Prints a table and writes ``docs/benchmarks/long_doc_qa.{md,png}``.
 
     python benchmarks/long_doc_qa.py [--num-documents 16 32 64] [--document-length 256]
+                                     [--eviction adaptive lru]
                                      [--repeats 1] [--disk [--disk-dir DIR]]
                                      [--same-batch-limit] [--quick]
 """
@@ -47,6 +55,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from long_doc_qa_report import (
+    CONFIGS,
+    DISK,
+    EXTRA_CONFIGS,
+    OFFLOAD,
+    SAME_BATCH,
+    eviction_table,
+    format_table,
+    offload_label,
+    write_plot,
+)
+
+from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+from kvoffload_hal.eviction_replay import recorded_trace_hits
 from kvoffload_hal.inprocess import (
     EngineSpec,
     close_llm,
@@ -69,15 +91,6 @@ DEFAULT_LENGTH = 256  # tokens per document
 DEVICE_DOCS = 8  # the device cache of engines (1)-(3) holds this many documents
 CPU_DOCS = 30  # the CPU tier holds this many documents
 TOKEN_ID_FLOOR = 2  # ids 0 and 1 are <s> and </s> in the tiny tokenizer
-# Targets: (3) vs (2) speed-up at <= 32 documents, (3) vs (4) slowdown; with a disk
-# tier, (5) vs (2) speed-up at the largest document counts.
-TARGET_SPEEDUP, TARGET_VS_LIMIT, SMALL_N = 3.0, 1.25, 32
-TARGET_DISK_SPEEDUP = 1.5
-
-CONFIGS = ("no-prefix-cache", "prefix-cache", "prefix-cache+offload", "prefix-cache-limit")
-DISK = "prefix-cache+offload+disk"
-SAME_BATCH = "limit-at-8-seqs"
-EXTRA_CONFIGS = (DISK, SAME_BATCH)
 
 
 @dataclass
@@ -92,6 +105,7 @@ class Result:
     steps: int = 0  # engine steps of the measured pass
     scheduled_tokens: int = 0  # tokens computed in the measured pass (prefill + decode)
     preemptions: int = 0
+    policy: str = "-"  # the CPU tier's eviction policy, where it has one
     extra: dict = field(default_factory=dict)
 
     def ttft(self, q: float) -> float:
@@ -124,12 +138,14 @@ def documents(num_docs: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def engine_spec(config: str, num_docs: int, length: int, model: str,
-                disk_dir: str | None = None) -> EngineSpec:
+                disk_dir: str | None = None, eviction: str = DEFAULT_EVICTION) -> EngineSpec:
     blocks_per_doc = -(-(length + OUTPUT_TOKENS) // BLOCK_SIZE)
     extra = {}
+    if config in (OFFLOAD, DISK):
+        extra["eviction"] = eviction
     if config == DISK:
         # Room for every document's full blocks, with a spare document.
-        extra = dict(disk_path=disk_dir,
+        extra.update(disk_path=disk_dir,
                      disk_bytes_to_use=(num_docs + 1) * blocks_per_doc * block_bytes(MODEL))
     if config in ("prefix-cache-limit", SAME_BATCH):
         # A full copy for each of the 2N requests of the measured pass: nothing
@@ -142,7 +158,7 @@ def engine_spec(config: str, num_docs: int, length: int, model: str,
         num_gpu_blocks=num_gpu_blocks,
         block_size=BLOCK_SIZE,
         max_model_len=length + OUTPUT_TOKENS + BLOCK_SIZE,
-        offload=config in ("prefix-cache+offload", DISK),
+        offload=config in (OFFLOAD, DISK),
         cpu_bytes_to_use=CPU_DOCS * (length // BLOCK_SIZE) * block_bytes(MODEL),
         enable_prefix_caching=config != "no-prefix-cache",
         extra_config=extra,
@@ -150,8 +166,16 @@ def engine_spec(config: str, num_docs: int, length: int, model: str,
     )
 
 
+def minimum_computed_tokens(num_docs: int, length: int) -> int:
+    """Tokens the measured pass computes when every prefix comes from a cache:
+    per request, the tokens after its last full block before the last prompt
+    token (which is always computed), and every output token but the last."""
+    cached = (length - 1) // BLOCK_SIZE * BLOCK_SIZE
+    return 2 * num_docs * (length - cached + OUTPUT_TOKENS - 1)
+
+
 def run_one(config: str, docs: list[list[int]], seed: int, model: str,
-            disk_root: str | None = None) -> Result:
+            disk_root: str | None = None, eviction: str = DEFAULT_EVICTION) -> Result:
     set_inprocess_env()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -159,17 +183,19 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
     disk_dir = None
     if config == DISK:  # a fresh, empty directory per run
         disk_dir = tempfile.mkdtemp(prefix="long_doc_qa_disk_", dir=disk_root)
-    spec = engine_spec(config, len(docs), len(docs[0]), model, disk_dir)
+    spec = engine_spec(config, len(docs), len(docs[0]), model, disk_dir, eviction)
     # Stats logging on: RequestOutput.metrics carries each request's TTFT.
     llm = LLM(**spec.llm_kwargs(), disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     try:
+        conn = scheduler_connector(llm) if spec.offload else None
+        if conn is not None:  # every CPU-tier access from the start, warm-up included
+            conn.scheduler.cpu.eviction.trace = []
         warm = [TokensPrompt(prompt_token_ids=d) for d in docs]
         llm.generate(warm, params, use_tqdm=False)
         order = [i for i in range(len(docs)) for _ in range(2)]
         random.Random(seed).shuffle(order)
         prompts = [TokensPrompt(prompt_token_ids=docs[i]) for i in order]
-        conn = scheduler_connector(llm) if spec.offload else None
         totals = conn.scheduler.totals.data if conn else {}
         hits_before = totals.get("cpu_hit_tokens", 0)
         promoted_before = totals.get("blocks_from_disk", 0)
@@ -187,6 +213,12 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
                                         if o.metrics is not None))
         if config == DISK:
             result.extra["blocks_from_disk"] = totals.get("blocks_from_disk", 0) - promoted_before
+        if conn is not None:
+            cpu = conn.scheduler.cpu
+            result.policy = eviction
+            # The pool's block 0 is vLLM's null block: it never caches.
+            result.extra["trace_hits"] = recorded_trace_hits(cpu.eviction.trace,
+                                                             cpu.num_blocks - 1)
         return result
     finally:
         close_llm(llm)
@@ -217,79 +249,6 @@ def _count_steps(llm) -> list[int]:
     return counter
 
 
-def ratio(results: list[Result], n: int, a: str, b: str) -> float:
-    by = {r.config: r.wall_s for r in results if r.num_docs == n}
-    return by[a] / by[b]
-
-
-def format_table(results: list[Result], ns: list[int]) -> str:
-    lines = [
-        "| docs | engine | measured pass s | TTFT mean ms | TTFT p50 ms | TTFT p99 ms "
-        "| cached prompt tokens | CPU-tier hit tokens | steps | computed tokens | preemptions |",
-        "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r.num_docs} | {r.config} | {r.wall_s:.2f} | {r.ttft_mean * 1e3:.0f} | "
-            f"{r.ttft(0.5) * 1e3:.0f} | {r.ttft(0.99) * 1e3:.0f} | "
-            f"{r.cached_tokens}/{r.prompt_tokens} | {r.cpu_hit_tokens} | {r.steps} | "
-            f"{r.scheduled_tokens} | {r.preemptions} |")
-    lines += ["", "| docs | (2)/(3) speed-up | target | (3)/(4) slowdown | target | met |",
-              "|---:|---:|---:|---:|---:|:---|"]
-    for n in ns:
-        speedup = ratio(results, n, "prefix-cache", "prefix-cache+offload")
-        vs_limit = ratio(results, n, "prefix-cache+offload", "prefix-cache-limit")
-        if n <= SMALL_N:
-            met = speedup >= TARGET_SPEEDUP and vs_limit <= TARGET_VS_LIMIT
-            lines.append(f"| {n} | {speedup:.2f}x | >= {TARGET_SPEEDUP:.0f}x | {vs_limit:.2f}x | "
-                         f"<= {TARGET_VS_LIMIT}x | {'yes' if met else 'no'} |")
-        else:
-            met = speedup >= 1.0
-            lines.append(f"| {n} | {speedup:.2f}x | >= 1x | {vs_limit:.2f}x | - | "
-                         f"{'yes' if met else 'no'} |")
-    if any(r.config == SAME_BATCH for r in results):
-        lines += ["", f"| docs | (3)/({SAME_BATCH}) | (4)/({SAME_BATCH}) |", "|---:|---:|---:|"]
-        for n in ns:
-            lines.append(f"| {n} | {ratio(results, n, 'prefix-cache+offload', SAME_BATCH):.2f}x "
-                         f"| {ratio(results, n, 'prefix-cache-limit', SAME_BATCH):.2f}x |")
-    if any(r.config == DISK for r in results):
-        lines += ["", "| docs | (2)/(5) speed-up with the disk tier | target | blocks promoted "
-                  "from disk | met |", "|---:|---:|---:|---:|:---|"]
-        for n in ns:
-            speedup = ratio(results, n, "prefix-cache", DISK)
-            promoted = next(r for r in results if r.num_docs == n and r.config == DISK
-                            ).extra.get("blocks_from_disk", 0)
-            target = f">= {TARGET_DISK_SPEEDUP}x" if n > SMALL_N else "-"
-            met = ("yes" if speedup >= TARGET_DISK_SPEEDUP else "no") if n > SMALL_N else "-"
-            lines.append(f"| {n} | {speedup:.2f}x | {target} | {promoted} | {met} |")
-    return "\n".join(lines)
-
-
-def write_plot(results: list[Result], ns: list[int], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = [c for c in (*CONFIGS, *EXTRA_CONFIGS) if any(r.config == c for r in results)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(configs)
-    for k, config in enumerate(configs):
-        rows = [next(r for r in results if r.num_docs == n and r.config == config) for n in ns]
-        xs = [i + (k - (len(configs) - 1) / 2) * width for i in range(len(ns))]
-        axes[0].bar(xs, [r.wall_s for r in rows], width, label=config)
-        axes[1].bar(xs, [r.ttft_mean * 1e3 for r in rows], width, label=config)
-    for ax, ylabel in zip(axes, ("measured pass (s)", "TTFT mean (ms)")):
-        ax.set_xticks(range(len(ns)), [f"{n} docs" for n in ns])
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-documents", type=int, nargs="+", default=[16, 32, 64])
@@ -300,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="order of the measured pass")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS),
                         choices=(*CONFIGS, *EXTRA_CONFIGS))
+    parser.add_argument("--eviction", nargs="+", default=[DEFAULT_EVICTION],
+                        choices=EVICTION_POLICIES,
+                        help=f"CPU-tier eviction of {OFFLOAD}, one run each (the first is "
+                             "the one compared in the main table)")
     parser.add_argument("--disk", action="store_true",
                         help=f"also run {DISK}: a disk tier holding every document")
     parser.add_argument("--same-batch-limit", action="store_true",
@@ -336,23 +299,29 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     for n in args.num_documents:
         docs = documents(n, args.document_length, vocab)
-        for config in args.configs:
-            runs = [run_one(config, docs, args.seed, model, args.disk_dir)
+        runs_of = [(c, p) for c in args.configs
+                   for p in (args.eviction if c == OFFLOAD else [args.eviction[0]])]
+        for config, policy in runs_of:
+            runs = [run_one(config, docs, args.seed, model, args.disk_dir, policy)
                     for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r.wall_s)
             best.extra["all_wall_s"] = [round(r.wall_s, 3) for r in runs]
+            if config == OFFLOAD:
+                best.config = offload_label(policy, args.eviction[0])
             results.append(best)
             disk_note = (f"  from disk {best.extra['blocks_from_disk']} blocks"
                          if config == DISK else "")
-            print(f"  {n:3d} docs  {config:25s} {best.wall_s:7.2f} s  "
+            print(f"  {n:3d} docs  {best.config:25s} {best.wall_s:7.2f} s  "
                   f"TTFT mean {best.ttft_mean * 1e3:7.0f} ms  cpu hits {best.cpu_hit_tokens}  "
                   f"steps {best.steps}  computed {best.scheduled_tokens}  "
                   f"preempted {best.preemptions}{disk_note}"
                   f"  runs {best.extra['all_wall_s']}", flush=True)
 
-    if not set(CONFIGS) <= set(args.configs):
-        return
-    table = format_table(results, args.num_documents)
+    if not {"prefix-cache", OFFLOAD, "prefix-cache-limit"} <= set(args.configs):
+        return  # the tables compare these three
+    minimum = {n: minimum_computed_tokens(n, args.document_length) for n in args.num_documents}
+    table = (format_table(results, args.num_documents) + "\n\n"
+             + eviction_table(results, args.num_documents, minimum))
     print(table)
     if args.quick:
         return
@@ -366,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     write_plot(results, args.num_documents, args.out_dir / f"{stem}.png",
                f"long-document QA, {args.document_length}-token documents; {shape}")
     print(f"wrote {args.out_dir / stem}.md and {stem}.png")
+
 
 if __name__ == "__main__":
     main()

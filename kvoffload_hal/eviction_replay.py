@@ -176,3 +176,23 @@ def replay_vllm_policy(policy_cls: Any, trace: Trace, capacity: int) -> int:
             policy.mark_evictable(key)  # its store completed
             used += 1
     return hits
+
+
+def recorded_trace_hits(recorded: Sequence[tuple[Any, bool]], capacity: int) -> dict[str, int]:
+    """Hit blocks on a trace a running tier recorded (``Eviction.trace``): the
+    tier's own, and Belady's, LRU's and vLLM's policies' on the same accesses.
+
+    The recording is a stream of blocks without request boundaries, so the
+    replays are per block (each block a request of one): an upper bound for
+    prefix hits in the optimum's case, plain key-level caches for the others.
+    """
+    ids: dict[Any, int] = {}
+    trace = [[ids.setdefault(key, len(ids))] for key, _ in recorded]
+    hits = {"tier": sum(1 for _, hit in recorded if hit),
+            "belady": belady_hits(trace, capacity),
+            "lru": replay_tier(make_replay_tier(capacity, "lru"), trace)}
+    for name in ("lru", "arc"):
+        cls = vllm_policy_class(name)
+        if cls is not None:
+            hits[f"vllm-{name}"] = replay_vllm_policy(cls, trace, capacity)
+    return hits
