@@ -1,0 +1,80 @@
+"""The Mooncake tier inside running engines: vLLM's scheduler, both connector roles, a real
+``mooncake_master``. Every KV read is checked by the harness's fake model."""
+
+import time
+
+import pytest
+
+from support.mooncake_master import MooncakeMaster, free_port, skip_reason
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+
+BS = 16
+
+
+def _engine(make_engine, address, **extra):
+    return make_engine(cpu_blocks=32, extra_config={
+        "mooncake_master": address, "mooncake_segment_bytes": 16 << 20,
+        "mooncake_buffer_bytes": 16 << 20, "mooncake_timeout_s": 2.0,
+        "mooncake_connect_timeout_s": 1.0, **extra})
+
+
+def _serve(engine, req_id, prompt):
+    req = engine.add(req_id, prompt)
+    engine.run_until_done(max_steps=2000)
+    engine.drain()
+    return req
+
+
+PROMPT = [(i * 7) % 89 + 1 for i in range(6 * BS + 1)]
+
+
+@pytest.fixture
+def master(tmp_path):
+    with MooncakeMaster(str(tmp_path / "master.log")) as m:
+        yield m
+
+
+def test_a_second_engine_serves_what_the_first_stored(make_engine, master):
+    a, b = _engine(make_engine, master.address), _engine(make_engine, master.address)
+    _serve(a, "a", PROMPT)
+    assert a.offload.totals.data["blocks_to_mooncake"] == 6
+    _serve(b, "b", PROMPT)
+    assert b.outputs["b"] == a.outputs["a"]
+    assert b.offload.totals.data["blocks_from_mooncake"] == 6
+    assert b.offload.totals.data["cpu_hit_tokens"] == 6 * BS
+    b.assert_idle()
+
+
+def test_corrupted_values_are_recomputed_by_the_reader(make_engine, master):
+    a, b = _engine(make_engine, master.address), _engine(make_engine, master.address)
+    req = _serve(a, "a", PROMPT)
+    tier = a.worker.worker.tier
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    for block_hash in req.block_hashes[:6]:
+        store_key = tier.store_key(make_block_hash_with_group_id(block_hash, 0).hex())
+        value = bytearray(tier.client.get(store_key))
+        value[-1] ^= 0x5A
+        while tier.client.is_exist(store_key) == 1:
+            tier.client.remove(store_key, True)
+            time.sleep(0.05)
+        assert tier.client.put(store_key, bytes(value)) == 0
+    _serve(b, "b", PROMPT)
+    assert b.outputs["b"] == a.outputs["a"]
+    totals = b.offload.totals.data
+    assert totals.get("blocks_from_mooncake", 0) == 0 and totals["mooncake_failed_blocks"] >= 1
+
+
+def test_an_unreachable_master_serves_without_the_tier_or_refuses(make_engine, caplog):
+    from kvoffload_hal.tiers.mooncake_client import MooncakeUnavailable
+
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    engine = _engine(make_engine, address)
+    assert time.monotonic() - started < 30
+    _serve(engine, "a", PROMPT)
+    assert "blocks_to_mooncake" not in engine.offload.totals.data
+    assert any(f"master {address} unreachable" in r.getMessage() for r in caplog.records)
+    with pytest.raises(MooncakeUnavailable, match="mooncake_required"):
+        _engine(make_engine, address, mooncake_required=True)
