@@ -174,3 +174,24 @@ def test_store_keys_name_the_fingerprint(tiers):
     tier = tiers(Host())
     assert tier.store_key("ab") == f"kvhal/{FP_A.hex()}/ab"
     assert np.frombuffer(FP_A, dtype=np.uint8).size == 32
+
+
+def test_a_peer_that_left_fails_its_blocks_and_nothing_is_read_wrong(master):
+    """The bytes live in the writer's segment: once it is gone, reads fail cleanly."""
+    from kvoffload_hal.tiers.mooncake import open_mooncake_tier
+
+    a_host, b_host = Host(seed=6), Host(seed=7)
+    a = _tier(master.address, a_host)
+    b = open_mooncake_tier(_cfg(master.address).__class__(
+        master=master.address, segment_bytes=0, buffer_bytes=16 << 20, connect_timeout_s=2.0),
+        b_host.buffer, b_host.views, FP_A)  # contributes no memory: every object is a's
+    try:
+        a.submit_store(1, [("k0", 0), ("k1", 1)])
+        assert _wait(a)[1].ok
+        b.submit_load(2, [("k0", 2)])
+        assert _wait(b)[2].ok and b_host.block(2) == a_host.block(0)
+        assert a.shutdown(5.0)  # the peer leaves, its segment with it
+        b.submit_load(3, [("k1", 3)])  # a failed key: the block is never published
+        assert _wait(b, timeout_s=60)[3].failed_keys == ("k1",)
+    finally:
+        b.shutdown(5.0)
