@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
             results.append(best)
             disk_note = (f"  from disk {best.extra['blocks_from_disk']} blocks"
                          if config == DISK else "")
+            if best.extra.get("trace_hits"):  # hit blocks: this tier, the optimum, replays
+                disk_note += f"  trace hits {best.extra['trace_hits']}"
             print(f"  {n:3d} docs  {best.config:25s} {best.wall_s:7.2f} s  "
                   f"TTFT mean {best.ttft_mean * 1e3:7.0f} ms  cpu hits {best.cpu_hit_tokens}  "
                   f"steps {best.steps}  computed {best.scheduled_tokens}  "
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"  runs {best.extra['all_wall_s']}", flush=True)
 
     if not {"prefix-cache", OFFLOAD, "prefix-cache-limit"} <= set(args.configs):
-        return  # the tables compare these three
+        return  # the tables compare these three; each engine's line is printed above
     minimum = {n: minimum_computed_tokens(n, args.document_length) for n in args.num_documents}
     table = (format_table(results, args.num_documents) + "\n\n"
              + eviction_table(results, args.num_documents, minimum))
