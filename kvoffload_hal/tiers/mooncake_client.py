@@ -16,10 +16,12 @@ with ``mooncake_required``, a refused start-up.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from typing import Any
 
+from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.mooncake_config import MooncakeConfig
 
@@ -58,8 +60,9 @@ def refuse_or_warn(cfg: MooncakeConfig, role: str, why: str) -> None:
     if cfg.required:
         raise MooncakeUnavailable(f"Mooncake tier ({role}): {why}; refusing to start because "
                                   "kv_connector_extra_config['mooncake_required'] is true")
-    logger.warning("Mooncake tier (%s): %s; serving without it (recomputing what it would "
-                   "have held)", role, why)
+    # Once per process: the scheduler and a worker sharing one process say it once.
+    log_once(logger, logging.WARNING, "Mooncake tier: %s; serving without it (recomputing "
+             "what it would have held)", why)
 
 
 def import_store_class() -> Any:
