@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+STATS_CARRIER_STEPS = 2  # see OffloadWorker.get_stats
+
 # How long shutdown waits for copies and tier IO in flight.
 SHUTDOWN_TIMEOUT_S = 10.0
 # Host buffers a copy or tier IO may still use after shutdown gave up waiting:
@@ -84,6 +86,7 @@ class OffloadWorker:
         self._load_error_blocks: set[int] = set()
         self._reports = OffloadWorkerMetadata()
         self.stats = StatsLedger()
+        self._stats_carriers = 0  # steps left that report stats even when empty
 
     @property
     def totals(self) -> OffloadStats:
@@ -212,10 +215,23 @@ class OffloadWorker:
         if not self._reports:
             return None
         reports, self._reports = self._reports, OffloadWorkerMetadata()
+        self._stats_carriers = STATS_CARRIER_STEPS
         return reports
 
     def get_stats(self) -> OffloadStats | None:
-        return self.stats.take_step()
+        """This step's stats; an empty report in the steps right after a job report.
+
+        The scheduler counts blocks stored and loaded when it reads a job report,
+        after vLLM took its stats for that step. vLLM releases that take the
+        scheduler's stats only together with the workers' (0.23) would hold those
+        counts until the next copy, so the next steps report even with nothing
+        moved. (Two steps: whichever order vLLM asks for stats and reports in.)
+        """
+        stats = self.stats.take_step()
+        if stats is None and self._stats_carriers > 0:
+            stats = OffloadStats()
+        self._stats_carriers = max(0, self._stats_carriers - 1)
+        return stats
 
     def shutdown(self) -> None:
         """Stop the tier and the backend; free the host buffer once nothing can use it.

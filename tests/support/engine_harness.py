@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -147,7 +148,7 @@ class Engine:
         self.vllm_config.parallel_config.world_size = ranks
         self.scheduler = Scheduler(self.vllm_config, self.kv_cache_config,
                                    StructuredOutputManager(self.vllm_config),
-                                   block_size=block_size)
+                                   block_size=block_size, log_stats=True)
         self.connector: HALOffloadConnector = self.scheduler.connector
         self.offload = self.connector.scheduler
         # One KV tensor shared by the groups' layers, as vLLM's HMA allocates it.
@@ -167,6 +168,7 @@ class Engine:
         self.steps = 0
         self.sent: list[OffloadMetadata] = []  # each step's metadata, as the workers got it
         self.reported: list[OffloadWorkerMetadata] = []  # this rank's reports
+        self.published: Counter[str] = Counter()  # connector stats as vLLM published them
 
     # ------------------------------------------------------------ requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
@@ -219,11 +221,14 @@ class Engine:
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
                 finished_recving=recving, kv_connector_worker_meta=worker_meta,
-                invalid_block_ids=errors,
+                invalid_block_ids=errors, kv_connector_stats=self.worker.get_kv_connector_stats(),
                 **({"failed_recving": failed} if vllm_compat.REPORTS_FAILED_RECVING else {})),
         )
         engine_outputs = self.scheduler.update_from_output(so, output)
         for eco in engine_outputs.values():
+            stats = eco.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.published.update(stats.kv_connector_stats)
             for o in eco.outputs:
                 self.outputs[o.request_id].extend(o.new_token_ids)
                 if o.finish_reason is not None:

@@ -8,11 +8,13 @@ at once on shared prefixes complete as on the server without the connector; the
 connector's counters on ``/metrics`` agree with what the client saw; SIGINT and
 SIGTERM end the server quickly, with nothing left running.
 
-A request still streaming at shutdown needs ``--shutdown-timeout``: in vLLM's default
-abort mode the engine core is killed at once and the API server cancels its output
-handler, which can happen before the open stream is told, and the HTTP server then
-waits for that stream forever (seen with and without a KV connector; it is a race).
-With a timeout, the engine finishes the request first.
+A request still streaming at shutdown needs ``--shutdown-timeout``. In vLLM's default
+abort mode the engine core is killed right after SIGTERM, and the API server cancels its
+output handler; unless the core announced its end first, the open stream is never told,
+and the HTTP server waits for it without end. With this connector the core announced it
+in 3 of 7 tries here (without a connector, in 5 of 5), probably because an aborted
+request's copies keep the core stepping a little longer. With a timeout, the engine
+finishes the request first.
 """
 
 from __future__ import annotations
@@ -61,7 +63,12 @@ def complete(server: Server, prompt: str, max_tokens: int = 8):
 
 
 def cached_tokens(response) -> int:
-    return response.usage.prompt_tokens_details.cached_tokens
+    details = response.usage.prompt_tokens_details  # vLLM 0.23 leaves it out at 0
+    return details.cached_tokens if details is not None else 0
+
+
+def logprobs(response) -> list[float]:
+    return response.choices[0].logprobs.token_logprobs
 
 
 def counters(server: Server) -> dict[str, float]:
@@ -103,8 +110,10 @@ def test_an_evicted_prompt_comes_back_from_the_cpu_tier(servers):
     assert cached_tokens(cold) == 0
     assert cached_tokens(warm) == PROMPT_BLOCKS * BLOCK_SIZE
     assert warm.choices[0].text == cold.choices[0].text
-    assert warm.choices[0].logprobs.token_logprobs == cold.choices[0].logprobs.token_logprobs
-    assert warm.choices[0].text == complete(plain, prompt).choices[0].text
+    # Bit-identical on vLLM 0.32; on 0.23 a prefill over cached blocks (from either cache)
+    # rounds in the 6th digit differently from a cold one.
+    assert logprobs(warm) == pytest.approx(logprobs(cold), abs=1e-4)
+    assert complete(plain, prompt).choices[0].text == cold.choices[0].text
 
     hit = PROMPT_BLOCKS * BLOCK_SIZE
     d = delta(settled(offload, lambda v: v["cpu_hit_tokens"] - before["cpu_hit_tokens"] >= hit
