@@ -114,12 +114,8 @@ class OffloadScheduler:
 
     def _make_cascade(self, kv_cache_config: KVCacheConfig) -> NullCascade:
         if self.config.mooncake is not None:
-            if not self.caps.mooncake_tier:
-                logger.warning("HALOffloadConnector: the Mooncake tier supports models with one "
-                               "KV cache group; it is disabled for this model")
-                return NullCascade()
-            return make_shared_cascade(self.config.mooncake, self.cpu, self.world_size,
-                                       self.stats)
+            return make_shared_cascade(self.config.mooncake, self.caps.mooncake_tier, self.cpu,
+                                       self.world_size, self.stats)
         if not self.caps.disk_tier:
             if self.config.disk_enabled:
                 logger.warning("HALOffloadConnector: the disk tier supports models with one KV "

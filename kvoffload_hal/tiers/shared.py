@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
+from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.tally import RankTally
 from kvoffload_hal.tiers.base import BlockKey, TierIndex, _Entry
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     from kvoffload_hal.cpu_tier import CpuTier
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.tiers.mooncake_config import MooncakeConfig
+
+logger = init_logger(__name__)
 
 # Keys the scheduler remembers the store holds. Not the store's capacity (the
 # master evicts by itself): past it, the least recently used are forgotten and
@@ -183,11 +186,16 @@ def _leading_run(keys: Sequence[BlockKey], missing: set[BlockKey]) -> list[Block
     return run
 
 
-def make_shared_cascade(cfg: MooncakeConfig, cpu: CpuTier, world_size: int,
+def make_shared_cascade(cfg: MooncakeConfig, supported: bool, cpu: CpuTier, world_size: int,
                         stats: StatsLedger) -> NullCascade:
-    """The Mooncake tier's scheduler half, or no tier when the master is unreachable."""
+    """The Mooncake tier's scheduler half; no tier for a model it does not support
+    (``supported``: one KV cache group) or when the master is unreachable."""
     from kvoffload_hal.tiers.mooncake_client import tier_available
 
+    if not supported:
+        logger.warning("HALOffloadConnector: the Mooncake tier supports models with one KV "
+                       "cache group; it is disabled for this model")
+        return NullCascade()
     if not tier_available(cfg, "scheduler"):
         return NullCascade()
     return SharedTierCascade(SharedTierIndex(KNOWN_KEYS), cpu, world_size, stats,
