@@ -92,3 +92,27 @@ def test_reset_forgets_protection():
     tier.drop_all()
     assert tier.eviction._loaded == set()
     assert _hit_blocks(tier, a, hashes) == 0
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_the_scheduler_tells_the_policy_of_every_load_and_store(make_engine, lazy):
+    """On vLLM's real scheduler: each block loaded is a hit the policy saw and
+    protects; each block stored is a miss it saw."""
+    engine = make_engine(lazy=lazy)
+    cpu = engine.offload.cpu
+    assert cpu.eviction.name == "adaptive"  # the default
+    cpu.eviction.trace = []
+    rng = __import__("random").Random(0)
+    docs = [[rng.randrange(1, 90) for _ in range(80)] for _ in range(6)]
+    for round_ in ("a", "b"):  # the second pass finds the device's evictions on the CPU
+        for i, d in enumerate(docs):
+            engine.add(f"{round_}{i}", d + ([5, 6] if round_ == "b" else []))
+        engine.run_until_done()
+    engine.drain()
+    totals = engine.offload.totals.data
+    loads = [key for key, hit in cpu.eviction.trace if hit]
+    stores = [key for key, hit in cpu.eviction.trace if not hit]
+    assert len(loads) == totals["blocks_loaded"] > 0
+    assert len(stores) == totals["blocks_stored"] > 0
+    protected = {b.block_hash for b in cpu.pool.blocks if b.block_id in cpu.eviction._loaded}
+    assert protected and protected <= set(loads)
