@@ -26,7 +26,7 @@ key                    default     meaning
                                    copy backend's compute is synchronous (vLLM's
                                    CPU platform) with one KV cache group, else
                                    ``async``
-``eviction``           adaptive    order in which the CPU tier evicts: ``lru``
+``eviction``           ``lru``     order in which the CPU tier evicts: ``lru``
                                    (vLLM's ``BlockPool`` order) or ``adaptive``
                                    (LRU for blocks loaded back at least once;
                                    blocks never loaded go first when that scored

@@ -47,9 +47,9 @@ def test_eviction_must_be_one_of_the_policies(value):
                             "of lru, adaptive")
 
 
-def test_eviction_defaults_to_adaptive_and_lru_stays_available():
-    assert OffloadConfig.from_extra_config(None).eviction == "adaptive"
-    assert OffloadConfig.from_extra_config({"eviction": "lru"}).eviction == "lru"
+def test_eviction_defaults_to_lru_and_adaptive_is_selectable():
+    assert OffloadConfig.from_extra_config(None).eviction == "lru"
+    assert OffloadConfig.from_extra_config({"eviction": "adaptive"}).eviction == "adaptive"
 
 
 def test_unknown_keys_give_one_warning_listing_valid_keys(caplog):

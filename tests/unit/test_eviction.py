@@ -98,9 +98,9 @@ def test_reset_forgets_protection():
 def test_the_scheduler_tells_the_policy_of_every_load_and_store(make_engine, lazy):
     """On vLLM's real scheduler: each block loaded is a hit the policy saw and
     protects; each block stored is a miss it saw."""
-    engine = make_engine(lazy=lazy)
+    engine = make_engine(lazy=lazy, extra_config={"eviction": "adaptive"})
     cpu = engine.offload.cpu
-    assert cpu.eviction.name == "adaptive"  # the default
+    assert cpu.eviction.name == "adaptive"
     cpu.eviction.trace = []
     rng = __import__("random").Random(0)
     docs = [[rng.randrange(1, 90) for _ in range(80)] for _ in range(6)]
