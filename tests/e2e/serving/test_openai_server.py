@@ -191,12 +191,16 @@ def test_sixteen_concurrent_requests_complete_as_without_the_connector(servers):
     assert [text for text, _ in first] == expected
     assert [text for text, _ in again] == expected
     assert all(cached is not None for _, cached in again)
-    hits = sum(cached for _, cached in again)
-    d = delta(settled(offload, lambda v: v["device_hits"] + v["external_hits"]
-                      - before["device_hits"] - before["external_hits"] >= hits), before)
-    assert d["device_hits"] + d["external_hits"] == hits
-    assert d["cpu_hit_tokens"] == d["external_hits"] > 0
-    assert d["blocks_loaded"] * BLOCK_SIZE == d["cpu_hit_tokens"]
+    assert all(cached == PROMPT_BLOCKS * BLOCK_SIZE for _, cached in again)
+    # The first request of each prefix loads it from the CPU tier, the others may find it
+    # on the device by then. (vLLM 0.23 counts a device hit at every lookup of a request
+    # that waits for room, so device hits are not compared with the client's.)
+    d = delta(settled(offload, lambda v: v["blocks_loaded"] > before["blocks_loaded"]
+                      and v["cpu_hit_tokens"] == v["external_hits"]), before)
+    assert 0 < d["cpu_hit_tokens"] <= sum(cached for _, cached in again)
+    assert d["cpu_hit_tokens"] == d["external_hits"] == d["blocks_loaded"] * BLOCK_SIZE
+    if HOST_HIT_SOURCE is not None:
+        assert d["host_hits"] == d["cpu_hit_tokens"]
     assert d["failed_jobs"] == 0
 
 
@@ -211,14 +215,14 @@ def _assert_clean_exit(server: Server, sig: int) -> None:
 
 def test_sigint_with_a_request_in_flight_ends_the_server(servers):
     offload, _ = servers
-    started, text = threading.Event(), []
+    started, finish_reasons = threading.Event(), []
 
     def long_request():
         chunks = offload.client().completions.create(
             model=offload.model, prompt=synthetic_text(180, seed=601), max_tokens=64,
             temperature=0.0, stream=True, extra_body={"ignore_eos": True})
         for chunk in chunks:
-            text.append(chunk.choices[0].text)
+            finish_reasons.append(chunk.choices[0].finish_reason)
             started.set()
 
     thread = threading.Thread(target=long_request, daemon=True)
@@ -226,7 +230,7 @@ def test_sigint_with_a_request_in_flight_ends_the_server(servers):
     assert started.wait(60), "the streaming request never started"
     _assert_clean_exit(offload, signal.SIGINT)
     thread.join(10)
-    assert len(text) == 64, "the request in flight was not finished before the server stopped"
+    assert finish_reasons[-1] == "length", "the request in flight was cut short"
 
 
 def test_sigterm_ends_the_server(tiny_model_dir, tmp_path):
