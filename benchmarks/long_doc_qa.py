@@ -249,7 +249,7 @@ def _count_steps(llm) -> list[int]:
     return counter
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-documents", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--document-length", type=int, default=DEFAULT_LENGTH,
@@ -280,7 +280,11 @@ def main(argv: list[str] | None = None) -> None:
         args.configs.append(DISK)
     if args.same_batch_limit and SAME_BATCH not in args.configs:
         args.configs.append(SAME_BATCH)
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     model = build_tiny_llama(MODEL_DIR, MODEL)
     from transformers import AutoTokenizer
 
@@ -295,7 +299,14 @@ def main(argv: list[str] | None = None) -> None:
              f"{CPU_DOCS} documents, best of {args.repeats}")
     print(shape)
     print(setup)
+    results = run_all(args, model, vocab)
+    if not {"prefix-cache", OFFLOAD, "prefix-cache-limit"} <= set(args.configs):
+        return  # the tables compare these three; each engine's line is printed above
+    write_report(args, results, shape, setup)
 
+
+def run_all(args: argparse.Namespace, model: str, vocab: int) -> list[Result]:
+    """Each engine (and each eviction policy of the offloading one) for each N."""
     results: list[Result] = []
     for n in args.num_documents:
         docs = documents(n, args.document_length, vocab)
@@ -318,9 +329,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"steps {best.steps}  computed {best.scheduled_tokens}  "
                   f"preempted {best.preemptions}{disk_note}"
                   f"  runs {best.extra['all_wall_s']}", flush=True)
+    return results
 
-    if not {"prefix-cache", OFFLOAD, "prefix-cache-limit"} <= set(args.configs):
-        return  # the tables compare these three; each engine's line is printed above
+
+def write_report(args: argparse.Namespace, results: list[Result], shape: str,
+                 setup: str) -> None:
     minimum = {n: minimum_computed_tokens(n, args.document_length) for n in args.num_documents}
     table = (format_table(results, args.num_documents) + "\n\n"
              + eviction_table(results, args.num_documents, minimum))
