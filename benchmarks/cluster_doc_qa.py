@@ -14,7 +14,7 @@ greedy tokens; each instance's requests of a phase go in one ``llm.generate`` ca
 
 Reported: phase 2 wall time (X + Y), the fraction of phase 2's prompt tokens served
 from a cache and from the store, and the bytes written to and read from the store.
-Writes ``docs/benchmarks/cluster_doc_qa.md``.
+Prints a table and writes ``docs/benchmarks/cluster_doc_qa.{md,png}``.
 
     python benchmarks/cluster_doc_qa.py [--num-documents 16] [--document-length 512]
 """
@@ -178,10 +178,45 @@ def main() -> None:
 
     args.vocab = len(AutoTokenizer.from_pretrained(args.model))
     rows = [run(c, args) for c in ("cpu-tier", "mooncake", "single-instance limit")]
-    text = table(rows, args)
+    text = f"CPU: {cpu_model()}\n\n" + table(rows, args)
     print(text)
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+    png = OUT.with_suffix(".png")
+    OUT.write_text(f"{text}\n![plot]({png.name})\n")
+    write_plot(rows, png)
+    print(f"wrote {OUT} and {png}")
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def write_plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.4))
+    names = [r["config"] for r in rows]
+    left.bar(names, [r["wall_s"] for r in rows], color="tab:blue")
+    left.set_ylabel("phase 2 wall s")
+    right.bar(names, [r["from_store_blocks"] * 32 / r["prompt_tokens"] for r in rows],
+              color="tab:green", label="from the store")
+    right.plot(names, [r["cached_tokens"] / r["prompt_tokens"] for r in rows], "ko",
+               label="from any cache")
+    right.set_ylabel("fraction of phase 2 prompt tokens")
+    right.set_ylim(0, 1.05)
+    right.legend(fontsize=7)
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("two instances splitting long-document QA", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

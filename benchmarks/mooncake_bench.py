@@ -108,8 +108,31 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    png = OUT.replace(".md", ".png")
     with open(OUT, "w") as f:
-        f.write(text)
+        f.write(f"{text}\n![plot]({os.path.basename(png)})\n")
+    write_plot(rows, png, lines[0])
+    print(f"wrote {OUT} and {png}")
+
+
+def write_plot(rows: list[tuple[str, float, float]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    width = 0.38
+    for i, (label, column) in enumerate((("put", 1), ("get", 2))):
+        xs = [k + (i - 0.5) * width for k in range(len(rows))]
+        ax.bar(xs, [r[column] for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r[0].replace(" (", "\n(") for r in rows], fontsize=7)
+    ax.set_ylabel("GB/s")
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
