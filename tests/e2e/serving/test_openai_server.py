@@ -12,7 +12,7 @@ A request still streaming at shutdown needs ``--shutdown-timeout``. In vLLM's de
 abort mode the engine core is killed right after SIGTERM, and the API server cancels its
 output handler; unless the core announced its end first, the open stream is never told,
 and the HTTP server waits for it without end. With this connector the core announced it
-in 3 of 7 tries here (without a connector, in 5 of 5), probably because an aborted
+in 2 of 9 tries here (without a connector, in 5 of 5), probably because an aborted
 request's copies keep the core stepping a little longer. With a timeout, the engine
 finishes the request first.
 """
