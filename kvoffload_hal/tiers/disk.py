@@ -3,17 +3,11 @@
 Layout: ``<disk_path>/rank<r>.<random>/<key[:2]>/<key>.kvb``, one directory per
 worker of each running server (see :mod:`kvoffload_hal.tiers.dirs`). A file is
 
-* a header: magic, format version, CRC-32, key length, a reserved field, the
-  :func:`~kvoffload_hal.tiers.identity.kv_fingerprint` of the writer, payload
-  length (:data:`_HEADER`);
-* the block key (ASCII);
-* the payload: the block's bytes in every host region, in region order.
-
-The CRC covers everything after its own field: header, key and payload. A read
-checks all of it: a missing or short file, another format, another key (a file
-copied over another's name), another fingerprint (another model, dtype, layout
-or rank) or a wrong checksum fails that key; the scheduler drops it and vLLM
-recomputes the block.
+one block value (:mod:`~kvoffload_hal.tiers.block_value`): header, block key,
+then the block's bytes in every host region. A read checks all of it: a missing
+or short file, another format, another key (a file copied over another's name),
+another fingerprint (another model, dtype, layout or rank) or a wrong checksum
+fails that key; the scheduler drops it and vLLM recomputes the block.
 
 Writes go to a temporary file first and are renamed into place, so a reader
 sees a whole file or none; the temporary is removed on every error, and short
@@ -30,9 +24,7 @@ import errno
 import logging
 import mmap
 import os
-import struct
 import threading
-import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -42,6 +34,7 @@ import torch
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.base import BlockKey, SecondaryTier, TierItem, TierJobResult
+from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
 from kvoffload_hal.tiers.dirs import DIR_MODE, FILE_MODE, TierDir
 from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
 
@@ -49,9 +42,6 @@ logger = init_logger(__name__)
 
 MAGIC = b"KVHALBLK"
 FORMAT_VERSION = 2
-# magic, version, crc32, key bytes, reserved, fingerprint, payload bytes
-_HEADER = struct.Struct(f"<8sIIHH{FINGERPRINT_BYTES}sQ")
-_CRC_FROM = 16  # the CRC covers the header after its own field, the key and the payload
 # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size;
 # 4 KiB covers every common device.
 DIRECT_IO_ALIGN = 4096
@@ -65,13 +55,10 @@ class DiskTier(SecondaryTier):
                  o_direct: bool = False, fingerprint: bytes = bytes(FINGERPRINT_BYTES)) -> None:
         """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view per host region;
         ``fingerprint``: what the blocks' bytes depend on (:mod:`~.identity`)."""
-        if len(fingerprint) != FINGERPRINT_BYTES:
-            raise ValueError(f"fingerprint of {len(fingerprint)} bytes, expected "
-                             f"{FINGERPRINT_BYTES}")
         self.views = list(host_views)
         self.payload_bytes = sum(v.shape[1] for v in self.views)
+        self.format = BlockValueFormat(MAGIC, FORMAT_VERSION, fingerprint, self.payload_bytes)
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
-        self.fingerprint = fingerprint
         self._dir = TierDir(root, rank)  # new, private, locked while this tier runs
         self.root = self._dir.path
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvoffload-disk")
@@ -136,10 +123,7 @@ class DiskTier(SecondaryTier):
     def _encode(self, key: BlockKey, cpu_block: int) -> bytes:
         payload = b"".join(v[cpu_block].numpy().tobytes() for v in self.views)
         key_bytes = key.encode("ascii")
-        fields = (len(key_bytes), 0, self.fingerprint, len(payload))
-        covered = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, *fields)[_CRC_FROM:]
-        crc = zlib.crc32(payload, zlib.crc32(key_bytes, zlib.crc32(covered)))
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, crc, *fields) + key_bytes + payload
+        return self.format.header(key_bytes, [payload]) + key_bytes + payload
 
     def _read(self, key: BlockKey, cpu_block: int) -> BlockKey | None:
         """Returns ``key`` if it failed, None when the block is in place (run on the IO pool)."""
@@ -149,23 +133,14 @@ class DiskTier(SecondaryTier):
             return _failed(key, "reading", e)
 
     def _read_into(self, key: BlockKey, cpu_block: int) -> BlockKey | None:
-        data = self._read_file(self._path(key))
-        if len(data) < _HEADER.size:
-            return self._corrupt(key, "shorter than its header")
-        magic, version, crc, key_len, _, fingerprint, length = _HEADER.unpack_from(data)
-        if magic != MAGIC or version != FORMAT_VERSION:
-            return self._corrupt(key, "unknown header")
-        body = memoryview(data)[_HEADER.size:]
-        if bytes(body[:key_len]) != key.encode("ascii"):
-            return self._corrupt(key, "written for another key")
-        if fingerprint != self.fingerprint:
-            return self._corrupt(key, "written by another model, KV layout or rank")
-        payload = body[key_len:key_len + length]
-        if length != self.payload_bytes or len(payload) != length:
-            return self._corrupt(
-                key, f"{len(payload)} payload bytes, expected {self.payload_bytes}")
-        if zlib.crc32(body[:key_len + length], zlib.crc32(data[_CRC_FROM:_HEADER.size])) != crc:
-            return self._corrupt(key, "checksum mismatch")
+        data = memoryview(self._read_file(self._path(key)))
+        key_len, length = self.format.lengths(data) if len(data) >= HEADER.size else (0, 0)
+        stored_key = data[HEADER.size:HEADER.size + key_len]
+        payload = data[HEADER.size + key_len:HEADER.size + key_len + length]
+        why = self.format.problem(data[:HEADER.size], stored_key, key.encode("ascii"),
+                                  [payload])
+        if why is not None:
+            return self._corrupt(key, why)
         offset = 0
         for view in self.views:
             n = view.shape[1]

@@ -7,10 +7,9 @@ revision, dtypes, KV layout, block size, TP/PP sizes, this rank and the
 block-hash function and seed. Instances of another model or layout, or other
 ranks, use other keys: they never see each other's blocks.
 
-**Values.** A header (magic, format version, CRC-32, key length, the
-fingerprint, payload length), the key, then the block's bytes in every host
-region. The CRC covers the header after its own field, the key and the
-payload. Every read checks all of it: a missing or evicted object, one of
+**Values.** One block value (:mod:`~kvoffload_hal.tiers.block_value`): a
+header, the key, then the block's bytes in every host region. Every read
+checks all of it: a missing or evicted object, one of
 another size (half-written), another key or fingerprint, or a wrong checksum
 fails that key, which is recomputed; a value that fails its check is removed
 from the store.
@@ -33,8 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
-import zlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -46,7 +43,7 @@ import torch
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.base import BlockKey, SecondaryTier, TierItem, TierJobResult
-from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
+from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
 from kvoffload_hal.tiers.mooncake_client import (
     MooncakeUnavailable,
     connect,
@@ -62,9 +59,6 @@ logger = init_logger(__name__)
 
 MAGIC = b"KVHALMC1"
 FORMAT_VERSION = 1
-# magic, version, crc32, key bytes, reserved, fingerprint, payload bytes
-HEADER = struct.Struct(f"<8sIIHH{FINGERPRINT_BYTES}sQ")
-_CRC_FROM = 16  # the CRC covers the header after its own field, the key and the payload
 # One registered slot per CPU block holds its header and key; block keys are
 # hex of vLLM's block hash with a group id (about 72 characters).
 HEADER_SLOT_BYTES = 256
@@ -80,13 +74,10 @@ class MooncakeTier(SecondaryTier):
                  host_views: Sequence[torch.Tensor], fingerprint: bytes) -> None:
         """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view of
         ``host_buffer`` per host region; ``fingerprint``: what the bytes depend on."""
-        if len(fingerprint) != FINGERPRINT_BYTES:
-            raise ValueError(f"fingerprint of {len(fingerprint)} bytes, expected "
-                             f"{FINGERPRINT_BYTES}")
         self.client = client
         self.views = list(host_views)
-        self.payload_bytes = sum(v.shape[1] for v in self.views)
-        self.fingerprint = fingerprint
+        self.format = BlockValueFormat(MAGIC, FORMAT_VERSION, fingerprint,
+                                       sum(v.shape[1] for v in self.views))
         self.prefix = f"kvhal/{fingerprint.hex()}/"
         num_blocks = self.views[0].shape[0]
         self._headers = torch.zeros(num_blocks, HEADER_SLOT_BYTES, dtype=torch.uint8)
@@ -177,19 +168,14 @@ class MooncakeTier(SecondaryTier):
         return [k for (k, _), present in zip(items, answers) if present != 1]
 
     # ------------------------------------------------------------ values
-    def _crc(self, header_tail: bytes, key_bytes: bytes, block: int) -> int:
-        crc = zlib.crc32(key_bytes, zlib.crc32(header_tail))
-        for view in self.views:
-            crc = zlib.crc32(view[block].numpy(), crc)
-        return crc
+    def _payload(self, block: int) -> list[np.ndarray]:
+        return [view[block].numpy() for view in self.views]
 
     def _write_header(self, key: BlockKey, block: int) -> None:
         key_bytes = key.encode("ascii")
         if len(key_bytes) > MAX_KEY_BYTES:
             raise ValueError(f"block key of {len(key_bytes)} bytes, at most {MAX_KEY_BYTES}")
-        fields = (len(key_bytes), 0, self.fingerprint, self.payload_bytes)
-        tail = HEADER.pack(MAGIC, FORMAT_VERSION, 0, *fields)[_CRC_FROM:]
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, self._crc(tail, key_bytes, block), *fields)
+        header = self.format.header(key_bytes, self._payload(block))
         slot = self._headers[block].numpy()
         slot[:HEADER.size] = np.frombuffer(header, dtype=np.uint8)
         slot[HEADER.size:HEADER.size + len(key_bytes)] = np.frombuffer(key_bytes, dtype=np.uint8)
@@ -197,19 +183,9 @@ class MooncakeTier(SecondaryTier):
     def _check(self, key: BlockKey, block: int) -> str | None:
         """Why the value just read into ``block`` is unusable, or None when it is sound."""
         slot = self._headers[block].numpy().tobytes()
-        magic, version, crc, key_len, _, fingerprint, length = HEADER.unpack_from(slot)
-        key_bytes = key.encode("ascii")
-        if magic != MAGIC or version != FORMAT_VERSION:
-            return "unknown header"
-        if slot[HEADER.size:HEADER.size + key_len] != key_bytes:
-            return "written for another key"
-        if fingerprint != self.fingerprint:
-            return "written by another model, KV layout or rank"
-        if length != self.payload_bytes:
-            return f"{length} payload bytes, expected {self.payload_bytes}"
-        if self._crc(slot[_CRC_FROM:HEADER.size], key_bytes, block) != crc:
-            return "checksum mismatch"
-        return None
+        key_len, _ = self.format.lengths(slot)
+        return self.format.problem(slot[:HEADER.size], slot[HEADER.size:HEADER.size + key_len],
+                                   key.encode("ascii"), self._payload(block))
 
     def _unusable(self, key: BlockKey, why: str, remove: bool) -> BlockKey:
         log_once(logger, logging.WARNING, "Mooncake tier: a block is unusable (%s); such "

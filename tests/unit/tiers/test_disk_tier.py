@@ -6,7 +6,8 @@ import shutil
 import pytest
 import torch
 
-from kvoffload_hal.tiers.disk import _HEADER, DiskTier
+from kvoffload_hal.tiers.block_value import HEADER as _HEADER
+from kvoffload_hal.tiers.disk import DiskTier
 from support.polling import collect_results, wait_until
 
 
