@@ -34,6 +34,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
 from long_doc_qa import MODEL, MODEL_DIR, block_bytes, documents  # noqa: E402
 
+from kvoffload_hal.selfcheck.environment import cpu_model  # noqa: E402
+
 OUT = HERE.parent / "docs" / "benchmarks" / "cluster_doc_qa.md"
 OUTPUT_TOKENS = 10
 WAIT_S = 900
@@ -185,14 +187,6 @@ def main() -> None:
     OUT.write_text(f"{text}\n![plot]({png.name})\n")
     write_plot(rows, png)
     print(f"wrote {OUT} and {png}")
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def write_plot(rows: list[dict], path: Path) -> None:

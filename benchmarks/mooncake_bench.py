@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from kvoffload_hal.selfcheck.environment import cpu_model  # noqa: E402
 from support.mooncake_master import MooncakeMaster  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "benchmarks", "mooncake_bench.md")
@@ -56,17 +56,6 @@ def batched(client, keys, src, dst, block, batch):
                                               for i in range(len(chunk))], [block] * len(chunk))
         assert all(c == block for c in codes), codes
     return t1 - t0, time.perf_counter() - t1
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

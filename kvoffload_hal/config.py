@@ -65,6 +65,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload_hal.config_values import boolean, one_of, positive_int
 from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.dirs import DIR_MODE, check_private_dir
@@ -81,20 +82,6 @@ VALID_KEYS = ("cpu_bytes_to_use", "lazy_offload", "disk_path", "disk_bytes_to_us
               "disk_o_direct", "load_mode", "allow_overcommit", "eviction")
 LOAD_MODES = ("auto", "async", "sync")
 VALID_KEYS += MOONCAKE_KEYS  # the Mooncake tier's, parsed in tiers/mooncake_config.py
-
-
-def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"kv_connector_extra_config['{key}']={value!r}: expected an integer number of bytes > 0"
-        )
-    return value
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"kv_connector_extra_config['{key}']={value!r}: expected true or false")
-    return value
 
 
 @dataclass(frozen=True)
@@ -127,19 +114,14 @@ class OffloadConfig:
                 "kv_connector_extra_config: ignoring unknown key(s) %s; valid keys are %s",
                 ", ".join(unknown), ", ".join(VALID_KEYS),
             )
-        cpu_bytes = _positive_int("cpu_bytes_to_use",
+        cpu_bytes = positive_int("cpu_bytes_to_use",
                                   extra.get("cpu_bytes_to_use", DEFAULT_CPU_BYTES_TO_USE))
-        lazy = _bool("lazy_offload", extra.get("lazy_offload", False))
-        o_direct = _bool("disk_o_direct", extra.get("disk_o_direct", False))
-        overcommit = _bool("allow_overcommit", extra.get("allow_overcommit", False))
-        load_mode = extra.get("load_mode", "auto")
-        if load_mode not in LOAD_MODES:
-            raise ValueError(f"kv_connector_extra_config['load_mode']={load_mode!r}: expected "
-                             f"one of {', '.join(LOAD_MODES)}")
-        eviction = extra.get("eviction", DEFAULT_EVICTION)
-        if eviction not in EVICTION_POLICIES:
-            raise ValueError(f"kv_connector_extra_config['eviction']={eviction!r}: expected "
-                             f"one of {', '.join(EVICTION_POLICIES)}")
+        lazy = boolean("lazy_offload", extra.get("lazy_offload", False))
+        o_direct = boolean("disk_o_direct", extra.get("disk_o_direct", False))
+        overcommit = boolean("allow_overcommit", extra.get("allow_overcommit", False))
+        load_mode = one_of("load_mode", extra.get("load_mode", "auto"), LOAD_MODES)
+        eviction = one_of("eviction", extra.get("eviction", DEFAULT_EVICTION),
+                          EVICTION_POLICIES)
         disk_path = extra.get("disk_path")
         if disk_path is None:
             for key in ("disk_bytes_to_use", "disk_o_direct"):
@@ -152,7 +134,7 @@ class OffloadConfig:
         if "disk_bytes_to_use" not in extra:
             raise ValueError("kv_connector_extra_config['disk_path'] is set but "
                              "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
-        disk_bytes = _positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
+        disk_bytes = positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
         _check_writable_dir(disk_path)
         return cls(cpu_bytes, lazy, disk_path, disk_bytes, o_direct, load_mode, overcommit,
                    eviction=eviction)

@@ -107,7 +107,8 @@ def _device_name(device: torch.device) -> str | None:
     return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (``lscpu``'s), recorded beside every measured figure."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -135,6 +136,6 @@ def describe_environment(backend: DmaCopyBackend | None, device: torch.device) -
         "torch_cann": getattr(torch.version, "cann", None),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "env": {k: os.environ[k] for k in _ENV_VARS if k in os.environ},
     }

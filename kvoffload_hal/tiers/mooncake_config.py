@@ -33,6 +33,15 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload_hal.config_values import (
+    boolean,
+    one_of,
+    positive_int,
+    positive_seconds,
+    text,
+    where,
+)
+
 MOONCAKE_KEYS = ("mooncake_master", "mooncake_protocol", "mooncake_local_hostname",
                  "mooncake_metadata_server", "mooncake_rdma_devices", "mooncake_segment_bytes",
                  "mooncake_buffer_bytes", "mooncake_timeout_s", "mooncake_connect_timeout_s",
@@ -43,36 +52,12 @@ PROTOCOLS = ("tcp", "rdma", "ascend")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def _where(key: str, value: Any) -> str:
-    return f"kv_connector_extra_config['{key}']={value!r}"
-
-
-def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{_where(key, value)}: expected an integer number of bytes > 0")
-    return value
-
-
-def _positive_seconds(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{_where(key, value)}: expected a number of seconds > 0")
-    return float(value)
-
-
-def _text(key: str, value: Any, allow_empty: bool = False) -> str:
-    if not isinstance(value, str) or (not value and not allow_empty):
-        raise ValueError(f"{_where(key, value)}: expected a {'' if allow_empty else 'non-empty '}"
-                         "string")
-    return value
-
-
 def parse_address(key: str, value: Any) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) as a pair; ``ValueError`` naming the key otherwise."""
-    text = _text(key, value)
-    host, sep, port = text.rpartition(":")
+    host, sep, port = text(key, value).rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{_where(key, value)}: expected host:port")
+        raise ValueError(f"{where(key, value)}: expected host:port")
     return host, int(port)
 
 
@@ -108,33 +93,28 @@ def parse_mooncake(extra: dict[str, Any]) -> MooncakeConfig | None:
         raise ValueError("kv_connector_extra_config sets both 'disk_path' and "
                          "'mooncake_master': expected one secondary tier (the disk tier or "
                          "the Mooncake tier), not both")
-    protocol = extra.get("mooncake_protocol", "tcp")
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"{_where('mooncake_protocol', protocol)}: expected one of "
-                         f"{', '.join(PROTOCOLS)}")
+    protocol = one_of("mooncake_protocol", extra.get("mooncake_protocol", "tcp"), PROTOCOLS)
     if "mooncake_local_hostname" in extra:
-        local = _text("mooncake_local_hostname", extra["mooncake_local_hostname"])
+        local = text("mooncake_local_hostname", extra["mooncake_local_hostname"])
     elif host in LOOPBACK:
         local = "127.0.0.1"
     else:
-        raise ValueError(f"{_where('mooncake_master', master)} is not on loopback: expected "
+        raise ValueError(f"{where('mooncake_master', master)} is not on loopback: expected "
                          "'mooncake_local_hostname', the address other instances reach this "
                          f"one at (this host is {socket.gethostname()!r})")
-    required = extra.get("mooncake_required", False)
-    if not isinstance(required, bool):
-        raise ValueError(f"{_where('mooncake_required', required)}: expected true or false")
+    required = boolean("mooncake_required", extra.get("mooncake_required", False))
     return MooncakeConfig(
         master=master, protocol=protocol, local_hostname=local,
-        metadata_server=_text("mooncake_metadata_server",
-                              extra.get("mooncake_metadata_server", "P2PHANDSHAKE")),
-        rdma_devices=_text("mooncake_rdma_devices", extra.get("mooncake_rdma_devices", ""),
-                           allow_empty=True),
-        segment_bytes=_positive_int("mooncake_segment_bytes",
-                                    extra.get("mooncake_segment_bytes", 1 << 30)),
-        buffer_bytes=_positive_int("mooncake_buffer_bytes",
-                                   extra.get("mooncake_buffer_bytes", 64 << 20)),
-        timeout_s=_positive_seconds("mooncake_timeout_s", extra.get("mooncake_timeout_s", 5.0)),
-        connect_timeout_s=_positive_seconds("mooncake_connect_timeout_s",
-                                            extra.get("mooncake_connect_timeout_s", 5.0)),
+        metadata_server=text("mooncake_metadata_server",
+                             extra.get("mooncake_metadata_server", "P2PHANDSHAKE")),
+        rdma_devices=text("mooncake_rdma_devices", extra.get("mooncake_rdma_devices", ""),
+                          allow_empty=True),
+        segment_bytes=positive_int("mooncake_segment_bytes",
+                                   extra.get("mooncake_segment_bytes", 1 << 30)),
+        buffer_bytes=positive_int("mooncake_buffer_bytes",
+                                  extra.get("mooncake_buffer_bytes", 64 << 20)),
+        timeout_s=positive_seconds("mooncake_timeout_s", extra.get("mooncake_timeout_s", 5.0)),
+        connect_timeout_s=positive_seconds("mooncake_connect_timeout_s",
+                                           extra.get("mooncake_connect_timeout_s", 5.0)),
         required=required,
     )

@@ -31,20 +31,15 @@ def test_lazy_offload_must_be_a_bool(value):
         OffloadConfig.from_extra_config({"lazy_offload": value})
 
 
-@pytest.mark.parametrize("value", ["SYNC", "blocking", 1, None])
-def test_load_mode_must_be_one_of_three(value):
+@pytest.mark.parametrize("key, value, choices", [
+    *[("load_mode", v, "auto, async, sync") for v in ("SYNC", "blocking", 1, None)],
+    *[("eviction", v, "lru, adaptive") for v in ("LRU", "arc", 1, None)],
+])
+def test_a_choice_must_be_one_of_its_values(key, value, choices):
     with pytest.raises(ValueError) as e:
-        OffloadConfig.from_extra_config({"load_mode": value})
-    assert str(e.value) == (f"kv_connector_extra_config['load_mode']={value!r}: expected one "
-                            "of auto, async, sync")
-
-
-@pytest.mark.parametrize("value", ["LRU", "arc", 1, None])
-def test_eviction_must_be_one_of_the_policies(value):
-    with pytest.raises(ValueError) as e:
-        OffloadConfig.from_extra_config({"eviction": value})
-    assert str(e.value) == (f"kv_connector_extra_config['eviction']={value!r}: expected one "
-                            "of lru, adaptive")
+        OffloadConfig.from_extra_config({key: value})
+    expected = f"kv_connector_extra_config['{key}']={value!r}: expected one of {choices}"
+    assert str(e.value) == expected
 
 
 def test_eviction_defaults_to_lru_and_adaptive_is_selectable():

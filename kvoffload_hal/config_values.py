@@ -1,0 +1,45 @@
+"""Validators of ``kv_connector_extra_config`` values.
+
+Each returns the value when it is right, and otherwise raises ``ValueError`` in one
+line naming the key, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def where(key: str, value: Any) -> str:
+    return f"kv_connector_extra_config['{key}']={value!r}"
+
+
+def positive_int(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where(key, value)}: expected an integer number of bytes > 0")
+    return value
+
+
+def positive_seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{where(key, value)}: expected a number of seconds > 0")
+    return float(value)
+
+
+def boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where(key, value)}: expected true or false")
+    return value
+
+
+def text(key: str, value: Any, allow_empty: bool = False) -> str:
+    if not isinstance(value, str) or (not value and not allow_empty):
+        raise ValueError(f"{where(key, value)}: expected a {'' if allow_empty else 'non-empty '}"
+                         "string")
+    return value
+
+
+def one_of(key: str, value: Any, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"{where(key, value)}: expected one of {', '.join(choices)}")
+    return value
