@@ -11,49 +11,77 @@ block is put, with the queue's own O(1) ``remove``/``prepend_n``/``append_n``
 (present in every supported vLLM); prefix matching, reference counts, the
 hash->block map and KV events stay vLLM's.
 
-* :class:`LruEviction` (``eviction: lru``, the default): vLLM's order, unchanged.
-* :class:`AdaptiveEviction` (``eviction: adaptive``): adaptive insertion. A
-  block that was loaded at least once since it was stored is *protected* and
-  goes to the tail, as in LRU. A block never loaded goes either to the tail
-  (LRU insertion) or to the head (LRU-position insertion: it is the next one
-  evicted unless it is loaded first, so a stream of one-off blocks churns
-  through one slot instead of flushing the blocks being reused; one in
-  :data:`BIMODAL_EVERY` still goes to the tail, so a new working set can get
-  in). Which of the two is used follows two shadow directories over a sample
-  of block hashes, one simulating each insertion, that count hits on the same
-  accesses (set dueling, with sampled keys standing for sets). Blocks of one
-  release go deepest first, so a partly evicted prefix keeps its head.
+* :class:`LruEviction` (``eviction: lru``): vLLM's order, unchanged.
+* :class:`AdaptiveEviction` (``eviction: adaptive``): each released block is put
+  at the tail (kept) or at the head (the next to go unless it is hit first)
+  according to its *class*: stored for the first time, stored again (its hash
+  was seen within the last :data:`HISTORY_FACTOR` tier sizes of accesses, so it
+  was evicted and wanted again), loaded once, loaded more than once. Which
+  class goes where is one of a few :data:`CANDIDATES`, each right on some
+  workload; the one in use is the one whose shadow (a key-level simulation
+  over a sample of the block hashes) has scored the most hits lately (set
+  dueling, with sampled keys standing for sets). Blocks of one release go
+  deepest first, so a partly evicted prefix keeps its head.
 
-The policy sees accesses through :meth:`Eviction.on_access`: every block the
-tier loads (a hit) or publishes (a store or promotion, i.e. a miss).
+The policy sees accesses through ``on_loaded`` (a hit) and ``on_stored`` (a
+store or promotion, i.e. a miss).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 EVICTION_POLICIES = ("lru", "adaptive")
-# LRU stays the default: on the long-document benchmark at 32 documents (tier of
-# 30) "adaptive" served 1327 hit blocks where LRU served 1345 in the same session,
-# though it wins the trace replays (docs/design.md#eviction).
 DEFAULT_EVICTION = "lru"
-# One block hash in SAMPLE_EVERY feeds the shadow directories (their first byte
-# is uniform: vLLM's block hashes are digests). 1/8 keeps the shadows at an
-# eighth of the tier's size and still gives a tier of ~100 blocks a sample.
-SAMPLE_EVERY = 8
-# One never-loaded block in BIMODAL_EVERY goes to the tail even when inserting
-# at the head: without it a tier full of a dead working set never takes a new one
+# One block hash in SAMPLE_EVERY feeds the shadows (their first byte is
+# uniform: vLLM's block hashes are digests). Each shadow simulates a tier of
+# 1/SAMPLE_EVERY the size on those keys.
+SAMPLE_EVERY = 4
+# One head placement in BIMODAL_EVERY goes to the tail instead, where a
+# candidate says so: a tier full of a dead working set still takes a new one
 # (the bimodal insertion of Qureshi et al., ISCA 2007).
 BIMODAL_EVERY = 32
-# The duel's counter saturates here: a change of workload flips the choice after
-# at most this many more hits of the other shadow.
-DUEL_LIMIT = 64
+# The history of accessed hashes holds this many tier sizes of keys (hashes
+# only: a few hundred bytes per block against the block's kilobytes).
+HISTORY_FACTOR = 8
+# The shadows' hit counts are halved every DECAY_EVERY shadow sizes of sampled
+# accesses, so the choice follows the workload as it changes.
+DECAY_EVERY = 4
+
+# Block classes, by what happened to the block since it was stored.
+FRESH, RETURNED, REUSED, USED_UP = range(4)
+# Placements: evicted last, evicted next, evicted next but one in BIMODAL_EVERY last.
+TAIL, HEAD, HEAD_BIMODAL = "tail", "head", "head-bimodal"
+
+
+class Insertion(NamedTuple):
+    """Where a released block goes, by its class."""
+
+    name: str
+    fresh: str
+    returned: str
+    reused: str
+    used_up: str
+
+
+CANDIDATES = (
+    # Exclusive: a block loaded once is in the device cache now, so its copy here
+    # matters only after the device evicts it; first-time blocks go next too.
+    Insertion("exclusive", HEAD, TAIL, HEAD, TAIL),
+    # Scan-resistant: a block seen once goes next, one seen twice is kept by recency.
+    Insertion("scan-resistant", HEAD, TAIL, TAIL, TAIL),
+    # vLLM's LRU: recency is right (chat turns, a working set that fits).
+    Insertion("lru", TAIL, TAIL, TAIL, TAIL),
+    # Keep residents: a loop larger than the tier keeps what it holds; a block
+    # loaded twice is done.
+    Insertion("keep-residents", HEAD_BIMODAL, HEAD_BIMODAL, TAIL, HEAD),
+)
 
 
 class Eviction:
@@ -94,60 +122,53 @@ class LruEviction(Eviction):
 
 
 class AdaptiveEviction(Eviction):
-    """Protected blocks to the tail; never-loaded ones to the tail or the head,
-    whichever of the two shadow directories has scored more hits lately."""
+    """Each released block to the tail or the head by its class, as the
+    candidate insertion with the most shadow hits lately says."""
 
     name = "adaptive"
 
-    def __init__(self, pool: BlockPool, num_blocks: int, *, mode: str = "duel",
-                 ghosts: bool = True) -> None:
+    def __init__(self, pool: BlockPool, num_blocks: int,
+                 candidates: Sequence[Insertion] = CANDIDATES) -> None:
         super().__init__(pool, num_blocks)
-        self.mode = mode  # "duel"; "head"/"tail" fix the insertion (measurements, tests)
-        # Block ids protected since their allocation: loaded, or stored again.
-        self._loaded: set[int] = set()
-        # Hashes stored and never loaded, most recent last, as many as the tier
-        # holds blocks: one stored again was evicted unused, yet wanted again.
-        self._ghosts: OrderedDict[Any, None] | None = OrderedDict() if ghosts else None
-        self._inserts = 0
-        self.duel = ShadowDuel(max(1, num_blocks // SAMPLE_EVERY))
+        self._loads: dict[int, int] = {}  # block id -> loads since it was stored
+        self._returned: set[int] = set()  # block ids stored under a hash seen before
+        self.history = History(HISTORY_FACTOR * num_blocks)
+        self.duel = Duel(candidates, max(1, num_blocks // SAMPLE_EVERY))
+        self._head_placements = 0
 
-    def _sample(self, keys: Iterable[Any]) -> None:
-        duel = self.duel
-        for key in keys:
-            if key[0] % SAMPLE_EVERY == 0:
-                duel.access(key)
+    def _access(self, key: Any) -> bool:
+        seen = self.history.see(key)
+        if key[0] % SAMPLE_EVERY == 0:
+            self.duel.access(key, seen)
+        return seen
 
     def on_loaded(self, blocks: Sequence[KVCacheBlock]) -> None:
         super().on_loaded(blocks)
-        self._loaded.update(b.block_id for b in blocks)
-        self._sample([b.block_hash for b in blocks])
+        loads = self._loads
+        for b in blocks:
+            loads[b.block_id] = loads.get(b.block_id, 0) + 1
+            self._access(b.block_hash)
 
     def on_stored(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[Any]) -> None:
         super().on_stored(blocks, hashes)
-        self._sample(hashes)
-        ghosts = self._ghosts
-        if ghosts is None:
-            return
         for block, key in zip(blocks, hashes):
-            if key in ghosts:
-                del ghosts[key]
-                self._loaded.add(block.block_id)
-            else:
-                ghosts[key] = None
-        while len(ghosts) > self.num_blocks:
-            ghosts.popitem(last=False)
+            if self._access(key):
+                self._returned.add(block.block_id)
 
     def on_allocated(self, blocks: Iterable[KVCacheBlock]) -> None:
-        if self._loaded:
-            self._loaded.difference_update(b.block_id for b in blocks)
+        self.on_dropped(b.block_id for b in blocks)
 
     def on_dropped(self, block_ids: Iterable[int]) -> None:
-        self._loaded.difference_update(block_ids)
+        if self._loads or self._returned:
+            for i in block_ids:
+                self._loads.pop(i, None)
+                self._returned.discard(i)
 
-    def inserts_at_head(self) -> bool:
-        if self.mode == "duel":
-            return self.duel.head_wins()
-        return self.mode == "head"
+    def block_class(self, block: KVCacheBlock) -> int:
+        loads = self._loads.get(block.block_id, 0)
+        if loads:
+            return REUSED if loads == 1 else USED_UP
+        return RETURNED if block.block_id in self._returned else FRESH
 
     def release(self, blocks: list[KVCacheBlock]) -> None:
         # Deepest first: of a request's blocks, the last is evicted first.
@@ -157,63 +178,95 @@ class AdaptiveEviction(Eviction):
         head = queue.fake_free_list_head.next_free_block
         # Blocks without a hash at the head: the tier still has room, nothing is
         # evicted yet, and a block put before them would be the first to go.
-        if not self.inserts_at_head() or head is None or head.block_hash is None:
+        if head is None or head.block_hash is None:
             return
-        probation = []
+        insertion = self.duel.best()
+        front = []
         for b in blocks:
-            if b.ref_cnt or b.block_id in self._loaded or b.block_hash is None:
+            if b.ref_cnt or b.block_hash is None:
                 continue
-            self._inserts += 1
-            if self._inserts % BIMODAL_EVERY:
-                probation.append(b)
-        if probation:
-            for b in probation:
+            placement = insertion[1 + self.block_class(b)]
+            if placement == TAIL:
+                continue
+            self._head_placements += 1
+            if placement == HEAD or self._head_placements % BIMODAL_EVERY:
+                front.append(b)
+        if front:
+            for b in front:
                 queue.remove(b)
-            queue.prepend_n(probation)  # deepest first: it is the next one evicted
+            queue.prepend_n(front)  # deepest first: it is the next one evicted
 
 
-class ShadowDuel:
-    """Two key-level caches of ``capacity`` keys on the same sampled accesses:
-    one inserting misses at the tail (LRU), one at the head (bimodal). A
-    saturating counter keeps the difference of their hits."""
+class History:
+    """The last ``capacity`` distinct hashes accessed (stored or loaded)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.tail: OrderedDict[Any, None] = OrderedDict()
-        self.head: OrderedDict[Any, None] = OrderedDict()
-        self.ghosts: OrderedDict[Any, None] = OrderedDict()  # as AdaptiveEviction's
-        self.score = 0  # > 0: tail insertion scored more hits lately
-        self._inserts = 0
+        self._keys: OrderedDict[Any, None] = OrderedDict()
 
-    def head_wins(self) -> bool:
-        return self.score < 0
+    def see(self, key: Any) -> bool:
+        """Record an access to ``key``; whether it was in the history already."""
+        keys = self._keys
+        if key in keys:
+            keys.move_to_end(key)
+            return True
+        keys[key] = None
+        if len(keys) > self.capacity:
+            keys.popitem(last=False)
+        return False
 
-    def access(self, key: Any) -> None:
-        hit_tail = key in self.tail
-        if hit_tail:
-            self.tail.move_to_end(key)
+
+class Shadow:
+    """A key-level tier of ``capacity`` keys placing blocks as ``insertion`` does."""
+
+    def __init__(self, insertion: Insertion, capacity: int) -> None:
+        self.insertion = insertion
+        self.capacity = capacity
+        self.hits = 0.0
+        self._queue: OrderedDict[Any, int] = OrderedDict()  # key -> loads; first: head
+        self._head_placements = 0
+
+    def access(self, key: Any, seen: bool) -> None:
+        queue = self._queue
+        loads = queue.pop(key, None)
+        if loads is None:
+            loads = 0
+            block_class = RETURNED if seen else FRESH
+            if len(queue) >= self.capacity:
+                queue.popitem(last=False)
         else:
-            if len(self.tail) >= self.capacity:
-                self.tail.popitem(last=False)
-            self.tail[key] = None
-        head = self.head
-        hit_head = key in head
-        if hit_head:
-            head.move_to_end(key)
-        else:
-            if len(head) >= self.capacity:
-                head.popitem(last=False)
-            head[key] = None
-            if key in self.ghosts:  # stored again: protected
-                del self.ghosts[key]
-            else:
-                self.ghosts[key] = None
-                if len(self.ghosts) > self.capacity:
-                    self.ghosts.popitem(last=False)
-                self._inserts += 1
-                if self._inserts % BIMODAL_EVERY:
-                    head.move_to_end(key, last=False)
-        self.score = max(-DUEL_LIMIT, min(DUEL_LIMIT, self.score + hit_tail - hit_head))
+            loads += 1
+            self.hits += 1
+            block_class = REUSED if loads == 1 else USED_UP
+        queue[key] = loads
+        placement = self.insertion[1 + block_class]
+        if placement != TAIL:
+            self._head_placements += 1
+            if placement == HEAD or self._head_placements % BIMODAL_EVERY:
+                queue.move_to_end(key, last=False)
+
+
+class Duel:
+    """One shadow per candidate on the same sampled accesses; the best is the
+    one with the most (decayed) hits, the earliest on a tie."""
+
+    def __init__(self, candidates: Sequence[Insertion], capacity: int) -> None:
+        self.shadows = [Shadow(c, capacity) for c in candidates]
+        self._decay_every = DECAY_EVERY * capacity
+        self._accesses = 0
+        self._best = self.shadows[0]
+
+    def best(self) -> Insertion:
+        return self._best.insertion
+
+    def access(self, key: Any, seen: bool) -> None:
+        for shadow in self.shadows:
+            shadow.access(key, seen)
+        self._accesses += 1
+        if self._accesses % self._decay_every == 0:
+            for shadow in self.shadows:
+                shadow.hits /= 2
+        self._best = max(self.shadows, key=lambda s: s.hits)  # max keeps the earliest tie
 
 
 def make_eviction(name: str, pool: BlockPool, num_blocks: int) -> Eviction:

@@ -5,15 +5,26 @@ load it, store the misses, publish, unpin): see ``eviction_replay``.
 """
 
 import pytest
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from kvoffload_hal.eviction import AdaptiveEviction
+from kvoffload_hal import vllm_compat
+from kvoffload_hal.eviction import (
+    CANDIDATES,
+    HEAD,
+    AdaptiveEviction,
+    History,
+    Insertion,
+)
 from kvoffload_hal.eviction_replay import KeyHashes, make_replay_tier, replay_tier
 
+CANDIDATE = {c.name: c for c in CANDIDATES}
+SCAN_RESISTANT, LRU_ORDER = CANDIDATE["scan-resistant"], CANDIDATE["lru"]
 
-def _tier(num_blocks, eviction="adaptive", mode="duel", ghosts=True):
+
+def _tier(num_blocks, eviction="adaptive", candidates=CANDIDATES):
     tier = make_replay_tier(num_blocks, eviction)
     if eviction == "adaptive":
-        tier.eviction = AdaptiveEviction(tier.pool, num_blocks, mode=mode, ghosts=ghosts)
+        tier.eviction = AdaptiveEviction(tier.pool, num_blocks, candidates)
     return tier
 
 
@@ -29,7 +40,7 @@ def _hit_blocks(tier, request, hashes):
 def test_a_block_never_loaded_goes_before_a_loaded_one(eviction, a_hits, b_hits):
     """A was loaded back, B never was: storing C evicts B's deepest blocks, not A.
     vLLM's LRU evicts A, the oldest, from its first block on."""
-    tier, hashes = _tier(8, eviction, mode="head"), KeyHashes()
+    tier, hashes = _tier(8, eviction, [SCAN_RESISTANT]), KeyHashes()
     a, b, c = _chain(1, 4), _chain(2, 4), _chain(3, 2)
     replay_tier(tier, [a, a, b, c], hashes)
     assert _hit_blocks(tier, a, hashes) == a_hits
@@ -38,7 +49,7 @@ def test_a_block_never_loaded_goes_before_a_loaded_one(eviction, a_hits, b_hits)
 
 def test_blocks_of_one_release_go_deepest_first():
     """A partly evicted prefix keeps its head: the hit survives, shorter."""
-    tier, hashes = _tier(8, mode="tail"), KeyHashes()
+    tier, hashes = _tier(8, candidates=[LRU_ORDER]), KeyHashes()
     a, b = _chain(1, 6), _chain(2, 4)
     replay_tier(tier, [a, b], hashes)  # B needs 2 of A's 6 blocks
     assert _hit_blocks(tier, a, hashes) == 4
@@ -48,49 +59,76 @@ def test_blocks_of_one_release_go_deepest_first():
 
 
 def test_a_block_stored_again_after_an_unused_eviction_is_protected():
-    """Ghosts: H is evicted without a hit and stored again, so it is wanted twice;
-    it then outlives the blocks stored once after it. Without ghosts it is
-    probation again and the next store evicts it."""
+    """The history: H is evicted without a hit and stored again, so it was wanted
+    twice; it then outlives the blocks stored once after it. Placed at the head
+    again (as a first-time block), the next store evicts it."""
     f, h, s, t = _chain(1, 4), _chain(2, 2), _chain(3, 2), _chain(4, 2)
     trace = [f, h, s, h, t]  # s evicts h (never loaded); h comes back
-    for ghosts, h_hits in ((True, 2), (False, 0)):
-        tier, hashes = _tier(4, mode="head", ghosts=ghosts), KeyHashes()
+    returned_at_head = SCAN_RESISTANT._replace(name="returned-at-head", returned=HEAD)
+    for candidate, h_hits in ((SCAN_RESISTANT, 2), (returned_at_head, 0)):
+        tier, hashes = _tier(4, candidates=[candidate]), KeyHashes()
         assert replay_tier(tier, trace, hashes) == 0
         assert _hit_blocks(tier, h, hashes) == h_hits
+
+
+def test_the_history_forgets_the_oldest_key_beyond_its_capacity():
+    history = History(3)
+    assert [history.see(k) for k in (1, 2, 3, 1, 4)] == [False, False, False, True, False]
+    assert history.see(2) is False  # 2 was the oldest when 4 came
+    assert history.see(1) is True
 
 
 def _cyclic(num_docs, blocks, rounds):
     return [_chain(d, blocks) for _ in range(rounds) for d in range(num_docs)]
 
 
-def _recent(num_docs, blocks):
-    """Each document read twice in a row, then never again: recency is everything."""
-    return [_chain(d, blocks) for d in range(num_docs) for _ in range(2)]
+def _reread_soon(num_docs, blocks, gap):
+    """Each document read once, then again ``gap`` documents later: recency is right."""
+    order = [d for i in range(num_docs + gap) for d in (i, i - gap) if 0 <= d < num_docs]
+    return [_chain(d, blocks) for d in order]
 
 
-def test_the_duel_inserts_at_the_head_on_a_loop_larger_than_the_tier():
+def test_the_duel_leaves_lru_on_a_loop_larger_than_the_tier():
     trace = _cyclic(20, 16, 6)  # 320 blocks through a tier of 256
     lru = replay_tier(_tier(256, "lru"), trace)
     tier = _tier(256)
     adaptive = replay_tier(tier, trace)
-    assert tier.eviction.duel.head_wins()
+    assert tier.eviction.duel.best().name != "lru"
     assert lru == 0 and adaptive > 0.5 * 256 * 5  # LRU thrashes, the duel keeps most
 
 
-def test_the_duel_keeps_lru_insertion_where_recency_is_right():
-    trace = _recent(200, 8)
+def test_the_duel_picks_lru_where_recency_is_right():
+    """A first-time block at the head is evicted before its re-read: every
+    candidate but LRU misses here, and the duel learns it."""
+    trace = _reread_soon(300, 8, gap=3)
+    head_only = replay_tier(_tier(256, candidates=[SCAN_RESISTANT]), trace)
     tier = _tier(256)
     hits = replay_tier(tier, trace)
-    assert not tier.eviction.duel.head_wins()
-    assert hits == replay_tier(_tier(256, "lru"), trace) == 200 * 8
+    lru = replay_tier(_tier(256, "lru"), trace)
+    assert tier.eviction.duel.best().name == "lru"
+    assert lru == 300 * 8 and head_only < 0.2 * lru and hits > 0.9 * lru
+
+
+def test_a_candidate_places_each_class_where_it_says():
+    tier = _tier(8, candidates=[Insertion("all-head", HEAD, HEAD, HEAD, HEAD)])
+    a, b = _chain(1, 4), _chain(2, 4)
+    hashes = KeyHashes()
+    replay_tier(tier, [a, b, a], hashes)
+    queue = [blk.block_hash for blk in vllm_compat.iter_free_blocks(tier.pool.free_block_queue)]
+    a_hashes = [make_block_hash_with_group_id(hashes(k), 0) for k in a]
+    assert queue[:4] == a_hashes[::-1]  # just loaded, placed at the head, deepest first
+    tier, hashes = _tier(8, candidates=[LRU_ORDER]), KeyHashes()
+    replay_tier(tier, [a, b, a], hashes)
+    queue = [blk.block_hash for blk in vllm_compat.iter_free_blocks(tier.pool.free_block_queue)]
+    assert queue[-4:] == a_hashes[::-1]  # at the tail, deepest first
 
 
 def test_reset_forgets_protection():
-    tier, hashes = _tier(8, mode="head"), KeyHashes()
+    tier, hashes = _tier(8, candidates=[SCAN_RESISTANT]), KeyHashes()
     a = _chain(1, 4)
     replay_tier(tier, [a, a], hashes)
     tier.drop_all()
-    assert tier.eviction._loaded == set()
+    assert tier.eviction._loads == {} and tier.eviction._returned == set()
     assert _hit_blocks(tier, a, hashes) == 0
 
 
@@ -114,5 +152,5 @@ def test_the_scheduler_tells_the_policy_of_every_load_and_store(make_engine, laz
     stores = [key for key, hit in cpu.eviction.trace if not hit]
     assert len(loads) == totals["blocks_loaded"] > 0
     assert len(stores) == totals["blocks_stored"] > 0
-    protected = {b.block_hash for b in cpu.pool.blocks if b.block_id in cpu.eviction._loaded}
+    protected = {b.block_hash for b in cpu.pool.blocks if b.block_id in cpu.eviction._loads}
     assert protected and protected <= set(loads)

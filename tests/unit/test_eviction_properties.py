@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.eviction import AdaptiveEviction
+from kvoffload_hal.eviction import CANDIDATES, AdaptiveEviction
 from kvoffload_hal.eviction_replay import KeyHashes, belady_hits, make_replay_tier, replay_tier
 
-POLICIES = [("lru", None, None), ("adaptive", "duel", True), ("adaptive", "head", True),
-            ("adaptive", "head", False), ("adaptive", "tail", True)]
+# vLLM's LRU, the duel over every candidate, and each candidate alone.
+POLICIES = [("lru", None), ("adaptive", CANDIDATES), *(("adaptive", (c,)) for c in CANDIDATES)]
 
 # A request: (prefix family, branch, length). Requests of one family share
 # their first three blocks, then branch: a prefix tree, as prompts make.
@@ -34,10 +34,10 @@ def _keys(family, branch, length):
 
 
 def _tier(capacity, policy):
-    name, mode, ghosts = policy
+    name, candidates = policy
     tier = make_replay_tier(capacity, name)
     if name == "adaptive":
-        tier.eviction = AdaptiveEviction(tier.pool, capacity + 1, mode=mode, ghosts=ghosts)
+        tier.eviction = AdaptiveEviction(tier.pool, capacity + 1, candidates)
     return tier
 
 
