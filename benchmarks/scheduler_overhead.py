@@ -37,6 +37,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvoffload_hal.inprocess import set_inprocess_env
 from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama
 
@@ -108,7 +109,8 @@ class Timer:
         return timed
 
 
-def make_vllm_config(model: str, connector: str, max_num_seqs: int):
+def make_vllm_config(model: str, connector: str, max_num_seqs: int,
+                     eviction: str = DEFAULT_EVICTION):
     set_inprocess_env()
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -121,7 +123,7 @@ def make_vllm_config(model: str, connector: str, max_num_seqs: int):
         # (on the CPU platform ours defaults to synchronous loads).
         kv_transfer_config=KVTransferConfig(
             kv_role="kv_both", **CONNECTORS[connector],
-            kv_connector_extra_config=({"load_mode": "async"}
+            kv_connector_extra_config=({"load_mode": "async", "eviction": eviction}
                                        if connector == "HALOffloadConnector" else {})),
     )
     config = args.create_engine_config()
@@ -210,12 +212,13 @@ def worker_output(connector: str, scheduler_output):
 
 
 def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int,
-              warmup_steps: int, seed: int) -> Point:
+              warmup_steps: int, seed: int, eviction: str = DEFAULT_EVICTION) -> Point:
     from vllm.v1.outputs import ModelRunnerOutput
 
     blocks_per_request = -(-(DOC_TOKENS + QUESTION_TOKENS[1] + OUTPUT_TOKENS[1]) // BLOCK_SIZE)
     num_gpu_blocks = max(2 * blocks_per_request, int(DEVICE_FRACTION * live * blocks_per_request))
-    vllm_config = make_vllm_config(model, connector, max_num_seqs=max(live, 16))
+    vllm_config = make_vllm_config(model, connector, max_num_seqs=max(live, 16),
+                                   eviction=eviction)
     scheduler = make_scheduler(vllm_config, num_gpu_blocks, cpu_blocks)
     timer = Timer(scheduler.get_kv_connector())
     trace = Trace(live, seed)
@@ -320,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=150, help="measured steps per point")
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
+                        help="the CPU tier's eviction policy (ours)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per point, connectors alternating; the fastest is kept")
     parser.add_argument("--quick", action="store_true",
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.repeats):  # alternate the connectors, keep each one's best
                 for name in CONNECTORS:
                     p = run_point(model, name, nb, live, args.steps, args.warmup_steps,
-                                  args.seed)
+                                  args.seed, args.eviction)
                     if name not in best or p.us_per_step < best[name].us_per_step:
                         best[name] = p
             for name, p in best.items():
@@ -356,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     setup = (f"{args.steps} measured steps after {args.warmup_steps} warm-up steps per point; "
              f"{MAX_NUM_BATCHED_TOKENS} tokens per step; block {BLOCK_SIZE} tokens; device pool "
              f"{DEVICE_FRACTION:.0%} of the live requests' need; best of {args.repeats} runs "
-             f"(connectors alternating); garbage collection off while timing; seed {args.seed}")
+             f"(connectors alternating); garbage collection off while timing; seed {args.seed}; "
+             f"eviction {args.eviction}")
     (args.out_dir / "scheduler_overhead.md").write_text(
         f"# Scheduler-side connector overhead\n\n{setup}.\n\n{table}\n\n"
         "![plot](scheduler_overhead.png)\n")

@@ -26,11 +26,13 @@ key                    default     meaning
                                    copy backend's compute is synchronous (vLLM's
                                    CPU platform) with one KV cache group, else
                                    ``async``
-``eviction``           ``lru``     order in which the CPU tier evicts: ``lru``
+``eviction``           adaptive    order in which the CPU tier evicts: ``lru``
                                    (vLLM's ``BlockPool`` order) or ``adaptive``
-                                   (LRU for blocks loaded back at least once;
-                                   blocks never loaded go first when that scored
-                                   more hits lately; see ``eviction.py``)
+                                   (each released block to the head or the tail
+                                   of that order by what happened to it since it
+                                   was stored, as the best of four candidate
+                                   insertions on sampled shadows says; see
+                                   ``eviction.py``)
 =====================  ==========  =================================================
 
 The Mooncake tier (``tiers/mooncake_config.py``; not with ``disk_path``):

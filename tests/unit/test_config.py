@@ -43,7 +43,7 @@ def test_a_choice_must_be_one_of_its_values(key, value, choices):
 
 
 def test_eviction_defaults_to_lru_and_adaptive_is_selectable():
-    assert OffloadConfig.from_extra_config(None).eviction == "lru"
+    assert OffloadConfig.from_extra_config(None).eviction == "adaptive"
     assert OffloadConfig.from_extra_config({"eviction": "adaptive"}).eviction == "adaptive"
 
 
