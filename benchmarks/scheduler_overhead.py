@@ -37,6 +37,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scheduler_overhead_report import (
+    OURS,
+    TIMED,
+    format_eviction_table,
+    format_table,
+    write_plot,
+)
+
 from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvoffload_hal.inprocess import set_inprocess_env
 from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama
@@ -51,17 +59,12 @@ QUESTION_TOKENS = (32, 128)
 OUTPUT_TOKENS = (16, 96)
 DEVICE_FRACTION = 0.5  # of the blocks the live requests need: forces evictions and preemptions
 SAMPLED_TOKEN = 7
-TARGET_RATIO = 0.5  # ours / upstream, at every point
 
 CONNECTORS = {
     "HALOffloadConnector": dict(kv_connector="HALOffloadConnector",
                                 kv_connector_module_path="kvoffload_hal.connector"),
     "SimpleCPUOffloadConnector": dict(kv_connector="SimpleCPUOffloadConnector"),
 }
-TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "request_finished_all_groups",
-         "take_events", "get_kv_connector_stats")
-
 
 @dataclass
 class Point:
@@ -252,71 +255,7 @@ def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int
     return point
 
 
-def format_table(points: list[Point]) -> str:
-    ours = {(p.cpu_blocks, p.live_requests): p for p in points
-            if p.connector == "HALOffloadConnector"}
-    theirs = {(p.cpu_blocks, p.live_requests): p for p in points
-              if p.connector == "SimpleCPUOffloadConnector"}
-    lines = ["| CPU blocks | live requests | ours µs/step | upstream µs/step | ours/upstream "
-             "| target | CPU-tier loads | preemptions | finished |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for key in sorted(ours):
-        a, b = ours[key], theirs.get(key)
-        if b is None:
-            continue
-        r = a.us_per_step / b.us_per_step
-        lines.append(f"| {key[0]} | {key[1]} | {a.us_per_step:.0f} | {b.us_per_step:.0f} | "
-                     f"{r:.2f} | <= {TARGET_RATIO} {'✓' if r <= TARGET_RATIO else '✗'} | "
-                     f"{a.loads}/{b.loads} | {a.preemptions}/{b.preemptions} | "
-                     f"{a.finished}/{b.finished} |")
-    lines += ["", "Per call, µs per step (ours / upstream):", "",
-              "| CPU blocks | live requests | " + " | ".join(TIMED[:5]) + " |",
-              "|---:|---:|" + "---:|" * 5]
-    for key in sorted(ours):
-        a, b = ours[key], theirs.get(key)
-        if b is None:
-            continue
-        cells = []
-        for name in TIMED[:5]:
-            if name == "request_finished":
-                x = sum(a.connector_s.get(n, 0) for n in TIMED[4:6]) / a.steps * 1e6
-                y = sum(b.connector_s.get(n, 0) for n in TIMED[4:6]) / b.steps * 1e6
-            else:
-                x = a.connector_s.get(name, 0) / a.steps * 1e6
-                y = b.connector_s.get(name, 0) / b.steps * 1e6
-            cells.append(f"{x:.0f} / {y:.0f}")
-        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def write_plot(points: list[Point], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cpu_blocks = sorted({p.cpu_blocks for p in points})
-    fig, axes = plt.subplots(1, len(cpu_blocks), figsize=(4 * len(cpu_blocks), 3.6),
-                             sharey=True, squeeze=False)
-    for ax, nb in zip(axes[0], cpu_blocks):
-        for name, style in (("HALOffloadConnector", "o-"), ("SimpleCPUOffloadConnector", "s--")):
-            rows = sorted((p for p in points if p.connector == name and p.cpu_blocks == nb),
-                          key=lambda p: p.live_requests)
-            ax.plot([p.live_requests for p in rows], [p.us_per_step for p in rows], style,
-                    label=name)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(f"{nb} CPU blocks", fontsize=9)
-        ax.set_xlabel("live requests")
-        ax.grid(alpha=0.3, which="both")
-    axes[0][0].set_ylabel("connector scheduler µs / engine step")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-blocks", type=int, nargs="+", default=[1000, 10000, 100000])
     parser.add_argument("--requests", type=int, nargs="+", default=[10, 100, 1000])
@@ -325,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
                         help="the CPU tier's eviction policy (ours)")
+    parser.add_argument("--compare-eviction", action="store_true",
+                        help="also run ours with every other eviction policy, alternating")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per point, connectors alternating; the fastest is kept")
     parser.add_argument("--quick", action="store_true",
@@ -334,26 +275,48 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.cpu_blocks, args.requests, args.steps, args.warmup_steps = [1000], [10, 100], 40, 20
         args.repeats = 1
+    return args
+
+
+def measure(args: argparse.Namespace, model: str) -> tuple[list[Point], list[Point]]:
+    """Every point, best of the repeats: (both connectors with ``--eviction``, ours
+    with each eviction policy where ``--compare-eviction``)."""
+    variants = [(name, args.eviction) for name in CONNECTORS]
+    if args.compare_eviction:
+        variants += [(OURS, e) for e in EVICTION_POLICIES if e != args.eviction]
+    points, by_eviction = [], []
+    for nb in args.cpu_blocks:
+        for live in args.requests:
+            best: dict[tuple[str, str], Point] = {}
+            for _ in range(args.repeats):  # alternate the variants, keep each one's best
+                for name, eviction in variants:
+                    p = run_point(model, name, nb, live, args.steps, args.warmup_steps,
+                                  args.seed, eviction)
+                    p.extra["eviction"] = eviction
+                    old = best.get((name, eviction))
+                    if old is None or p.us_per_step < old.us_per_step:
+                        best[name, eviction] = p
+            for (name, eviction), p in best.items():
+                if eviction == args.eviction:
+                    points.append(p)
+                if name == OURS and args.compare_eviction:
+                    by_eviction.append(p)
+                print(f"{name:26s} {nb:7d} CPU blocks {live:5d} live: {p.us_per_step:9.0f} µs/step"
+                      f"  eviction {eviction}  loads {p.loads}  stores {p.stores}"
+                      f"  preempted {p.preemptions}  finished {p.finished}", flush=True)
+    return points, by_eviction
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     import logging
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
-    model = build_tiny_llama(MODEL_DIR, MODEL)
-    points = []
-    for nb in args.cpu_blocks:
-        for live in args.requests:
-            best: dict[str, Point] = {}
-            for _ in range(args.repeats):  # alternate the connectors, keep each one's best
-                for name in CONNECTORS:
-                    p = run_point(model, name, nb, live, args.steps, args.warmup_steps,
-                                  args.seed, args.eviction)
-                    if name not in best or p.us_per_step < best[name].us_per_step:
-                        best[name] = p
-            for name, p in best.items():
-                points.append(p)
-                print(f"{name:26s} {nb:7d} CPU blocks {live:5d} live: {p.us_per_step:9.0f} µs/step"
-                      f"  loads {p.loads}  stores {p.stores}  preempted {p.preemptions}"
-                      f"  finished {p.finished}", flush=True)
+    points, by_eviction = measure(args, build_tiny_llama(MODEL_DIR, MODEL))
     table = format_table(points)
+    if by_eviction:
+        table += ("\n\nOurs with each eviction policy (alternating in the same run), µs per "
+                  "step:\n\n" + format_eviction_table(by_eviction, "lru"))
     print(table)
     if args.quick:
         return

@@ -133,45 +133,44 @@ class AdaptiveEviction(Eviction):
     def __init__(self, pool: BlockPool, num_blocks: int,
                  candidates: Sequence[Insertion] = CANDIDATES) -> None:
         super().__init__(pool, num_blocks)
-        self._loads: dict[int, int] = {}  # block id -> loads since it was stored
-        self._returned: set[int] = set()  # block ids stored under a hash seen before
+        # Block id -> its class, for blocks not FRESH (stored again, or loaded).
+        self._classes: dict[int, int] = {}
         self.history = History(HISTORY_FACTOR * num_blocks)
         self.duel = Duel(candidates, max(1, num_blocks // SAMPLE_EVERY))
         self._head_placements = 0
 
-    def _access(self, key: Any) -> bool:
-        seen = self.history.see(key)
+    def _access(self, key: Any, loaded: bool) -> bool:
+        # A loaded block's hash is in the history unless the block outlived it
+        # there; either way it is not the history's to say (it was hit).
+        seen = loaded or self.history.see(key)
         if key[0] % SAMPLE_EVERY == 0:
             self.duel.access(key, seen)
         return seen
 
     def on_loaded(self, blocks: Sequence[KVCacheBlock]) -> None:
         super().on_loaded(blocks)
-        loads = self._loads
+        classes = self._classes
         for b in blocks:
-            loads[b.block_id] = loads.get(b.block_id, 0) + 1
-            self._access(b.block_hash)
+            classes[b.block_id] = USED_UP if classes.get(b.block_id, FRESH) >= REUSED else REUSED
+            self._access(b.block_hash, True)
 
     def on_stored(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[Any]) -> None:
         super().on_stored(blocks, hashes)
         for block, key in zip(blocks, hashes):
-            if self._access(key):
-                self._returned.add(block.block_id)
+            if self._access(key, False):
+                self._classes[block.block_id] = RETURNED
 
     def on_allocated(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self.on_dropped(b.block_id for b in blocks)
+        if self._classes:
+            self.on_dropped([b.block_id for b in blocks])
 
     def on_dropped(self, block_ids: Iterable[int]) -> None:
-        if self._loads or self._returned:
-            for i in block_ids:
-                self._loads.pop(i, None)
-                self._returned.discard(i)
+        classes = self._classes
+        for i in block_ids:
+            classes.pop(i, None)
 
     def block_class(self, block: KVCacheBlock) -> int:
-        loads = self._loads.get(block.block_id, 0)
-        if loads:
-            return REUSED if loads == 1 else USED_UP
-        return RETURNED if block.block_id in self._returned else FRESH
+        return self._classes.get(block.block_id, FRESH)
 
     def release(self, blocks: list[KVCacheBlock]) -> None:
         # Deepest first: of a request's blocks, the last is evicted first.
@@ -184,11 +183,12 @@ class AdaptiveEviction(Eviction):
         if head is None or head.block_hash is None:
             return
         insertion = self.duel.best()
+        classes = self._classes
         front = []
         for b in blocks:
             if b.ref_cnt or b.block_hash is None:
                 continue
-            placement = insertion[1 + self.block_class(b)]
+            placement = insertion[1 + classes.get(b.block_id, FRESH)]
             if placement == TAIL:
                 continue
             self._head_placements += 1
@@ -226,27 +226,28 @@ class Shadow:
         self.insertion = insertion
         self.capacity = capacity
         self.hits = 0.0
-        self._queue: OrderedDict[Any, int] = OrderedDict()  # key -> loads; first: head
+        self._placements = insertion[1:]  # by block class
+        self._queue: OrderedDict[Any, int] = OrderedDict()  # key -> class; first: head
         self._head_placements = 0
 
     def access(self, key: Any, seen: bool) -> None:
         queue = self._queue
-        loads = queue.pop(key, None)
-        if loads is None:
-            loads = 0
-            block_class = RETURNED if seen else FRESH
+        block_class = queue.get(key)
+        if block_class is None:
             if len(queue) >= self.capacity:
                 queue.popitem(last=False)
+            block_class = RETURNED if seen else FRESH
         else:
-            loads += 1
             self.hits += 1
-            block_class = REUSED if loads == 1 else USED_UP
-        queue[key] = loads
-        placement = self.insertion[1 + block_class]
-        if placement != TAIL:
-            self._head_placements += 1
-            if placement == HEAD or self._head_placements % BIMODAL_EVERY:
-                queue.move_to_end(key, last=False)
+            block_class = USED_UP if block_class >= REUSED else REUSED
+        queue[key] = block_class
+        placement = self._placements[block_class]
+        if placement == TAIL:
+            queue.move_to_end(key)
+            return
+        self._head_placements += 1
+        queue.move_to_end(key, last=placement == HEAD_BIMODAL
+                          and self._head_placements % BIMODAL_EVERY == 0)
 
 
 class Duel:
@@ -257,9 +258,11 @@ class Duel:
         self.shadows = [Shadow(c, capacity) for c in candidates]
         self._decay_every = DECAY_EVERY * capacity
         self._accesses = 0
-        self._best = self.shadows[0]
+        self._best: Shadow | None = self.shadows[0]  # None: to be found again
 
     def best(self) -> Insertion:
+        if self._best is None:
+            self._best = max(self.shadows, key=lambda s: s.hits)  # max keeps the earliest tie
         return self._best.insertion
 
     def access(self, key: Any, seen: bool) -> None:
@@ -269,7 +272,7 @@ class Duel:
         if self._accesses % self._decay_every == 0:
             for shadow in self.shadows:
                 shadow.hits /= 2
-        self._best = max(self.shadows, key=lambda s: s.hits)  # max keeps the earliest tie
+        self._best = None
 
 
 def make_eviction(name: str, pool: BlockPool, num_blocks: int) -> Eviction:

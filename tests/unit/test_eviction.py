@@ -11,6 +11,8 @@ from kvoffload_hal import vllm_compat
 from kvoffload_hal.eviction import (
     CANDIDATES,
     HEAD,
+    REUSED,
+    USED_UP,
     AdaptiveEviction,
     History,
     Insertion,
@@ -128,7 +130,7 @@ def test_reset_forgets_protection():
     a = _chain(1, 4)
     replay_tier(tier, [a, a], hashes)
     tier.drop_all()
-    assert tier.eviction._loads == {} and tier.eviction._returned == set()
+    assert tier.eviction._classes == {}
     assert _hit_blocks(tier, a, hashes) == 0
 
 
@@ -152,5 +154,6 @@ def test_the_scheduler_tells_the_policy_of_every_load_and_store(make_engine, laz
     stores = [key for key, hit in cpu.eviction.trace if not hit]
     assert len(loads) == totals["blocks_loaded"] > 0
     assert len(stores) == totals["blocks_stored"] > 0
-    protected = {b.block_hash for b in cpu.pool.blocks if b.block_id in cpu.eviction._loads}
+    protected = {b.block_hash for b in cpu.pool.blocks
+                 if cpu.eviction.block_class(b) in (REUSED, USED_UP)}
     assert protected and protected <= set(loads)

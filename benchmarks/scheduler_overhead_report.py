@@ -1,0 +1,95 @@
+"""Tables and plot of ``scheduler_overhead.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_overhead import Point
+
+OURS, UPSTREAM = "HALOffloadConnector", "SimpleCPUOffloadConnector"
+TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "request_finished_all_groups",
+         "take_events", "get_kv_connector_stats")
+TARGET_RATIO = 0.5  # ours / upstream, at every point
+
+
+def format_table(points: list[Point]) -> str:
+    ours = {(p.cpu_blocks, p.live_requests): p for p in points
+            if p.connector == "HALOffloadConnector"}
+    theirs = {(p.cpu_blocks, p.live_requests): p for p in points
+              if p.connector == "SimpleCPUOffloadConnector"}
+    lines = ["| CPU blocks | live requests | ours µs/step | upstream µs/step | ours/upstream "
+             "| target | CPU-tier loads | preemptions | finished |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in sorted(ours):
+        a, b = ours[key], theirs.get(key)
+        if b is None:
+            continue
+        r = a.us_per_step / b.us_per_step
+        lines.append(f"| {key[0]} | {key[1]} | {a.us_per_step:.0f} | {b.us_per_step:.0f} | "
+                     f"{r:.2f} | <= {TARGET_RATIO} {'✓' if r <= TARGET_RATIO else '✗'} | "
+                     f"{a.loads}/{b.loads} | {a.preemptions}/{b.preemptions} | "
+                     f"{a.finished}/{b.finished} |")
+    lines += ["", "Per call, µs per step (ours / upstream):", "",
+              "| CPU blocks | live requests | " + " | ".join(TIMED[:5]) + " |",
+              "|---:|---:|" + "---:|" * 5]
+    for key in sorted(ours):
+        a, b = ours[key], theirs.get(key)
+        if b is None:
+            continue
+        cells = []
+        for name in TIMED[:5]:
+            if name == "request_finished":
+                x = sum(a.connector_s.get(n, 0) for n in TIMED[4:6]) / a.steps * 1e6
+                y = sum(b.connector_s.get(n, 0) for n in TIMED[4:6]) / b.steps * 1e6
+            else:
+                x = a.connector_s.get(name, 0) / a.steps * 1e6
+                y = b.connector_s.get(name, 0) / b.steps * 1e6
+            cells.append(f"{x:.0f} / {y:.0f}")
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_eviction_table(points: list[Point], reference: str) -> str:
+    """Ours with each eviction policy, µs per step, against ``reference``."""
+    evictions = list(dict.fromkeys(p.extra["eviction"] for p in points))
+    cost = {(p.cpu_blocks, p.live_requests, p.extra["eviction"]): p.us_per_step for p in points}
+    lines = ["| CPU blocks | live requests | " + " | ".join(f"{e} µs/step" for e in evictions)
+             + " | " + " | ".join(f"{e}/{reference}" for e in evictions if e != reference) + " |",
+             "|---:|---:|" + "---:|" * (2 * len(evictions) - 1)]
+    for nb, live in sorted({(p.cpu_blocks, p.live_requests) for p in points}):
+        ref = cost[nb, live, reference]
+        lines.append(f"| {nb} | {live} | "
+                     + " | ".join(f"{cost[nb, live, e]:.0f}" for e in evictions) + " | "
+                     + " | ".join(f"{cost[nb, live, e] / ref:.2f}" for e in evictions
+                                  if e != reference) + " |")
+    return "\n".join(lines)
+
+
+def write_plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cpu_blocks = sorted({p.cpu_blocks for p in points})
+    fig, axes = plt.subplots(1, len(cpu_blocks), figsize=(4 * len(cpu_blocks), 3.6),
+                             sharey=True, squeeze=False)
+    for ax, nb in zip(axes[0], cpu_blocks):
+        for name, style in (("HALOffloadConnector", "o-"), ("SimpleCPUOffloadConnector", "s--")):
+            rows = sorted((p for p in points if p.connector == name and p.cpu_blocks == nb),
+                          key=lambda p: p.live_requests)
+            ax.plot([p.live_requests for p in rows], [p.us_per_step for p in rows], style,
+                    label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{nb} CPU blocks", fontsize=9)
+        ax.set_xlabel("live requests")
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].set_ylabel("connector scheduler µs / engine step")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
