@@ -11,14 +11,17 @@ replay as the benchmark. For any trace, tier size and pins:
 * no policy scores more hit blocks than Belady's offline optimum.
 """
 
+from collections import OrderedDict
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.eviction import CANDIDATES, AdaptiveEviction
+from kvoffload_hal.eviction import CANDIDATES, AdaptiveEviction, Shadow
 from kvoffload_hal.eviction_replay import KeyHashes, belady_hits, make_replay_tier, replay_tier
 
+CANDIDATE_LRU = next(c for c in CANDIDATES if c.name == "lru")
 # vLLM's LRU, the duel over every candidate, and each candidate alone.
 POLICIES = [("lru", None), ("adaptive", CANDIDATES), *(("adaptive", (c,)) for c in CANDIDATES)]
 
@@ -104,3 +107,23 @@ def test_stored_blocks_are_published_under_group_zero_hashes():
     tier, hashes = _tier(4, POLICIES[1]), KeyHashes()
     replay_tier(tier, [[1, 2]], hashes)
     assert tier.holds(make_block_hash_with_group_id(hashes(1), 0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(1, 12), keys=st.lists(st.integers(0, 30), max_size=200))
+def test_the_lru_shadow_scores_an_lru_caches_hits(capacity, keys):
+    """The duel's shadows are caches: the one of the ``lru`` candidate scores
+    exactly the hits of an LRU cache of its size."""
+    shadow = Shadow(CANDIDATE_LRU, capacity)
+    reference: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for key in keys:
+        shadow.access(key, False)
+        if key in reference:
+            hits += 1
+            reference.move_to_end(key)
+        else:
+            reference[key] = None
+            if len(reference) > capacity:
+                reference.popitem(last=False)
+    assert shadow.hits == hits
