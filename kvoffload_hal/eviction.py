@@ -138,7 +138,7 @@ class AdaptiveEviction(Eviction):
         self._classes: dict[int, int] = {}
         self.history = History(HISTORY_FACTOR * num_blocks)
         self.duel = Duel(candidates, max(1, num_blocks // SAMPLE_EVERY))
-        self._head_placements = 0
+        self._to_head = HeadPlacements()
 
     def on_loaded(self, blocks: Sequence[KVCacheBlock]) -> None:
         super().on_loaded(blocks)
@@ -161,9 +161,7 @@ class AdaptiveEviction(Eviction):
                 duel.access(key, seen)
 
     def on_allocated(self, blocks: Iterable[KVCacheBlock]) -> None:
-        forget = self._classes.pop
-        for b in blocks:
-            forget(b.block_id, None)
+        self.on_dropped(b.block_id for b in blocks)
 
     def on_dropped(self, block_ids: Iterable[int]) -> None:
         classes = self._classes
@@ -189,11 +187,7 @@ class AdaptiveEviction(Eviction):
         for b in blocks:
             if b.ref_cnt or b.block_hash is None:
                 continue
-            placement = insertion[1 + classes.get(b.block_id, FRESH)]
-            if placement == TAIL:
-                continue
-            self._head_placements += 1
-            if placement == HEAD or self._head_placements % BIMODAL_EVERY:
+            if self._to_head(insertion[1 + classes.get(b.block_id, FRESH)]):
                 front.append(b)
         if front:
             for b in front:
@@ -201,8 +195,22 @@ class AdaptiveEviction(Eviction):
             queue.prepend_n(front)  # deepest first: it is the next one evicted
 
 
+class HeadPlacements:
+    """Whether a block placed as ``placement`` goes to the head: every ``HEAD``,
+    and every ``HEAD_BIMODAL`` but one in :data:`BIMODAL_EVERY`."""
+
+    def __init__(self) -> None:
+        self._count = 0
+
+    def __call__(self, placement: str) -> bool:
+        if placement == TAIL:
+            return False
+        self._count += 1
+        return placement == HEAD or self._count % BIMODAL_EVERY != 0
+
+
 class History:
-    """The last ``capacity`` distinct hashes accessed (stored or loaded)."""
+    """The last ``capacity`` distinct hashes stored."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -229,7 +237,7 @@ class Shadow:
         self.hits = 0.0
         self._placements = insertion[1:]  # by block class
         self._queue: OrderedDict[Any, int] = OrderedDict()  # key -> class; first: head
-        self._head_placements = 0
+        self._to_head = HeadPlacements()
 
     def access(self, key: Any, seen: bool) -> None:
         queue = self._queue
@@ -248,9 +256,7 @@ class Shadow:
                 return
         placement = self._placements[block_class]
         if placement != TAIL:
-            self._head_placements += 1
-            queue.move_to_end(key, last=placement == HEAD_BIMODAL
-                              and self._head_placements % BIMODAL_EVERY == 0)
+            queue.move_to_end(key, last=not self._to_head(placement))
 
 
 class Duel:
