@@ -6,7 +6,7 @@ over it. Pick the extra that matches the machine (``cpu`` or ``cuda``); on Ascen
 vLLM comes from vllm-ascend's own installation.
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 VLLM_PIN = "0.32"  # the KV-connector API moves between releases
 
@@ -18,17 +18,11 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=[
-        "kvoffload_hal",
-        "kvoffload_hal.hal",
-        "kvoffload_hal.tiers",
-        "kvoffload_hal.backends",
-        "kvoffload_hal.backends.cpu",
-        "kvoffload_hal.backends.cuda",
-        "kvoffload_hal.backends.npu",
-    ],
-    # The top-level backends/ folder is installed as kvoffload_hal.backends:
-    # one namespace, and no top-level "backends" module in site-packages.
+    # Every package under kvoffload_hal/, found rather than listed (a listed set
+    # once left kvoffload_hal.selfcheck out of the wheel), and backends/ below it.
+    packages=find_packages(include=["kvoffload_hal", "kvoffload_hal.*"])
+    + ["kvoffload_hal.backends"]
+    + [f"kvoffload_hal.backends.{p}" for p in find_packages("backends")],
     package_dir={"kvoffload_hal.backends": "backends"},
     # Optional: without a C compiler the CPU backend falls back to a Python loop.
     ext_modules=[

@@ -53,7 +53,7 @@ def engine(args: argparse.Namespace) -> None:
     """One instance (its own process): phase 1, then the measured phase 2."""
     from vllm import SamplingParams
 
-    from kvoffload_hal.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
+    from kvoffload_hal.demo.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
 
     docs = documents(args.num_documents, args.document_length, args.vocab)
     first, second = (json.loads(x) for x in (args.first, args.second))
@@ -173,7 +173,7 @@ def main() -> None:
     if args.engine:
         args.name = args.engine
         return engine(args)
-    from kvoffload_hal.tiny_model import build_tiny_llama
+    from kvoffload_hal.demo.tiny_model import build_tiny_llama
 
     args.model = build_tiny_llama(MODEL_DIR, MODEL)
     from transformers import AutoTokenizer

@@ -2,7 +2,7 @@
 
 Scheduler side only: no model runs. Each trace is replayed through Belady's
 optimum, the real CPU tier with each eviction policy (vLLM's ``BlockPool`` and
-coordinator; :mod:`kvoffload_hal.eviction_replay`), and vLLM's own offloading
+coordinator; :mod:`kvoffload_hal.demo.eviction_replay`), and vLLM's own offloading
 policies (``LRU``, ``ARC``) where installed, at tier sizes from 50 % to 150 %
 of the trace's working set (the blocks it uses more than once). Hit blocks are
 reported as a fraction of the optimum's. Each policy has a trace it loses on,
@@ -33,7 +33,7 @@ import time
 from collections import Counter, OrderedDict
 from pathlib import Path
 
-from kvoffload_hal.eviction_replay import (
+from kvoffload_hal.demo.eviction_replay import (
     Trace,
     belady_hits,
     make_replay_tier,

@@ -67,15 +67,15 @@ from long_doc_qa_report import (
     write_plot,
 )
 
-from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
-from kvoffload_hal.eviction_replay import recorded_trace_hits
-from kvoffload_hal.inprocess import (
+from kvoffload_hal.demo.eviction_replay import recorded_trace_hits
+from kvoffload_hal.demo.inprocess import (
     EngineSpec,
     close_llm,
     scheduler_connector,
     set_inprocess_env,
 )
-from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama
+from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
+from kvoffload_hal.scheduler.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 MODEL_DIR = os.path.expanduser("~/.cache/kvoffload_hal/long_doc_qa_llama")

@@ -3,7 +3,7 @@
 Engine names, targets, and the eviction summary: for each offloading engine,
 its CPU tier's hit blocks on the block access trace it recorded, against
 Belady's optimum on that trace and the replays of LRU and vLLM's offloading
-policies (``kvoffload_hal.eviction_replay.recorded_trace_hits``), and the
+policies (``kvoffload_hal.demo.eviction_replay.recorded_trace_hits``), and the
 tokens it computed against the minimum (every prefix from a cache).
 """
 

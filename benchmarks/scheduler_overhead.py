@@ -45,9 +45,9 @@ from scheduler_overhead_report import (
     write_plot,
 )
 
-from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
-from kvoffload_hal.inprocess import set_inprocess_env
-from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama
+from kvoffload_hal.demo.inprocess import set_inprocess_env
+from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
+from kvoffload_hal.scheduler.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 MODEL_DIR = os.path.expanduser("~/.cache/kvoffload_hal/scheduler_bench_llama")

@@ -68,10 +68,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload_hal.config_values import boolean, one_of, positive_int
-from kvoffload_hal.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.dirs import DIR_MODE, check_private_dir
-from kvoffload_hal.tiers.mooncake_config import MOONCAKE_KEYS, MooncakeConfig, parse_mooncake
+from kvoffload_hal.scheduler.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+from kvoffload_hal.tiers.disk.dirs import DIR_MODE, check_private_dir
+from kvoffload_hal.tiers.mooncake.config import MOONCAKE_KEYS, MooncakeConfig, parse_mooncake
 
 logger = init_logger(__name__)
 

@@ -1,8 +1,8 @@
 """``HALOffloadConnector``: vLLM KV connector offloading KV blocks to CPU memory.
 
 A thin façade: the scheduler role delegates to
-:class:`~kvoffload_hal.scheduler.OffloadScheduler` (no device code), the worker
-role to :class:`~kvoffload_hal.worker.OffloadWorker` (copies through the HAL).
+:class:`~kvoffload_hal.scheduler.core.OffloadScheduler` (no device code), the worker
+role to :class:`~kvoffload_hal.worker.core.OffloadWorker` (copies through the HAL).
 Use it with ``kv_connector="HALOffloadConnector"`` (registered by this package's
 ``vllm.general_plugins`` entry point) or with
 ``kv_connector_module_path="kvoffload_hal.connector"``.
@@ -23,8 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
 from kvoffload_hal.metrics import OffloadPromMetrics, OffloadStats
-from kvoffload_hal.scheduler import OffloadScheduler
-from kvoffload_hal.worker import OffloadWorker
+from kvoffload_hal.scheduler.core import OffloadScheduler
+from kvoffload_hal.worker.core import OffloadWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvoffload_hal.tiers.base import BlockKey, TierItem
+from kvoffload_hal.tiers.worker_tier import BlockKey, TierItem
 
 
 class LoadSpec(NamedTuple):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvoffload_hal.inprocess import offload_transfer_config, set_inprocess_env
+from kvoffload_hal.demo.inprocess import offload_transfer_config, set_inprocess_env
 
 set_inprocess_env()
 

@@ -1,10 +1,10 @@
-"""Helpers around an in-process vLLM engine (see :mod:`kvoffload_hal.inprocess`)."""
+"""Helpers around an in-process vLLM engine (see :mod:`kvoffload_hal.demo.inprocess`)."""
 
 from __future__ import annotations
 
 import time
 
-from kvoffload_hal.inprocess import scheduler_connector
+from kvoffload_hal.demo.inprocess import scheduler_connector
 
 
 def worker_connector():

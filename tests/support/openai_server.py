@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvoffload_hal.inprocess import CONNECTOR
+from kvoffload_hal.demo.inprocess import CONNECTOR
 
 BLOCK_SIZE = 32
 _PROCESS_PREFIX = re.compile(r"^\(\S+ pid=\d+\) ")  # vLLM's "(EngineCore pid=12) " log prefix

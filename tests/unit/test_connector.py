@@ -28,7 +28,7 @@ def test_prefix_caching_is_required(tiny_model_dir):
     from vllm.engine.arg_utils import EngineArgs
 
     from kvoffload_hal.connector import HALOffloadConnector
-    from kvoffload_hal.inprocess import offload_transfer_config
+    from kvoffload_hal.demo.inprocess import offload_transfer_config
 
     config = EngineArgs(model=tiny_model_dir, enable_prefix_caching=False, enforce_eager=True,
                         kv_transfer_config=offload_transfer_config(),
@@ -70,7 +70,7 @@ def test_stats_aggregate_reduce_and_prometheus_names():
 
 def test_sleep_mode_is_refused_through_the_connector_api():
     from kvoffload_hal.connector import HALOffloadConnector
-    from kvoffload_hal.inprocess import offload_transfer_config
+    from kvoffload_hal.demo.inprocess import offload_transfer_config
 
     assert HALOffloadConnector.supports_sleep_mode(offload_transfer_config()) is False
 

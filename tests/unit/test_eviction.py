@@ -8,7 +8,8 @@ import pytest
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.eviction import (
+from kvoffload_hal.demo.eviction_replay import KeyHashes, make_replay_tier, replay_tier
+from kvoffload_hal.scheduler.eviction import (
     CANDIDATES,
     HEAD,
     REUSED,
@@ -17,7 +18,6 @@ from kvoffload_hal.eviction import (
     History,
     Insertion,
 )
-from kvoffload_hal.eviction_replay import KeyHashes, make_replay_tier, replay_tier
 
 CANDIDATE = {c.name: c for c in CANDIDATES}
 SCAN_RESISTANT, LRU_ORDER = CANDIDATE["scan-resistant"], CANDIDATE["lru"]

@@ -1,6 +1,6 @@
 """Properties of the CPU tier's eviction on random traces, on the real tier.
 
-The tier under test is :class:`~kvoffload_hal.cpu_tier.CpuTier` with the
+The tier under test is :class:`~kvoffload_hal.scheduler.cpu_tier.CpuTier` with the
 policy the connector uses (vLLM's ``BlockPool`` underneath), driven by the same
 replay as the benchmark. For any trace, tier size and pins:
 
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.eviction import CANDIDATES, AdaptiveEviction, Shadow
-from kvoffload_hal.eviction_replay import KeyHashes, belady_hits, make_replay_tier, replay_tier
+from kvoffload_hal.demo.eviction_replay import KeyHashes, belady_hits, make_replay_tier, replay_tier
+from kvoffload_hal.scheduler.eviction import CANDIDATES, AdaptiveEviction, Shadow
 
 CANDIDATE_LRU = next(c for c in CANDIDATES if c.name == "lru")
 # vLLM's LRU, the duel over every candidate, and each candidate alone.

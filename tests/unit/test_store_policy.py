@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvoffload_hal.inprocess import set_inprocess_env
+from kvoffload_hal.demo.inprocess import set_inprocess_env
 
 set_inprocess_env()
 
@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from kvoffload_hal.store_policy import (  # noqa: E402
+from kvoffload_hal.scheduler.store_policy import (  # noqa: E402
     BlockPicker,
     EagerPolicy,
     LazyPolicy,

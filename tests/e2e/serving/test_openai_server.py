@@ -26,8 +26,8 @@ import time
 
 import pytest
 
+from kvoffload_hal.demo.tiny_model import synthetic_text
 from kvoffload_hal.metrics import COUNTERS
-from kvoffload_hal.tiny_model import synthetic_text
 from kvoffload_hal.vllm_compat import HOST_HIT_SOURCE
 from support.openai_server import BLOCK_SIZE, Server, tracebacks
 

@@ -1,5 +1,5 @@
 """Shared set-up for the single-card end-to-end tests on vLLM's CPU platform."""
 
-from kvoffload_hal.inprocess import set_inprocess_env
+from kvoffload_hal.demo.inprocess import set_inprocess_env
 
 set_inprocess_env()  # before vLLM reads its environment

@@ -19,8 +19,8 @@ import os
 import sys
 import time
 
-from kvoffload_hal.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
-from kvoffload_hal.tiny_model import synthetic_text
+from kvoffload_hal.demo.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
+from kvoffload_hal.demo.tiny_model import synthetic_text
 
 NUM_DOCS = 3
 BLOCK_BYTES = 2 * 32 * 2 * 128 * 2  # layers x tokens x heads x (K+V)·head_dim x bf16

@@ -9,13 +9,13 @@ the tokens and logprobs must match the baseline exactly.
 
 import pytest
 
-from kvoffload_hal.inprocess import (
+from kvoffload_hal.demo.inprocess import (
     EngineSpec,
     close_llm,
     make_llm,
     scheduler_connector,
 )
-from kvoffload_hal.tiny_model import synthetic_text
+from kvoffload_hal.demo.tiny_model import synthetic_text
 from support.engines import drain_transfers
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama
+from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
 from support.mooncake_master import MooncakeMaster, skip_reason
 
 pytestmark = [pytest.mark.e2e,

@@ -3,8 +3,8 @@ prompt right after is served from the CPU tier, with the same tokens, every time
 
 import pytest
 
-from kvoffload_hal.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
-from kvoffload_hal.tiny_model import synthetic_text
+from kvoffload_hal.demo.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
+from kvoffload_hal.demo.tiny_model import synthetic_text
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama
+from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
 
 pytestmark = pytest.mark.e2e
 

@@ -14,13 +14,13 @@ A wrong KV block would show as a difference orders of magnitude larger.
 
 import pytest
 
-from kvoffload_hal.inprocess import (
+from kvoffload_hal.demo.inprocess import (
     EngineSpec,
     close_llm,
     make_llm,
     scheduler_connector,
 )
-from kvoffload_hal.tiny_model import synthetic_text
+from kvoffload_hal.demo.tiny_model import synthetic_text
 from support.engines import drain_transfers, worker_connector
 
 pytestmark = pytest.mark.e2e

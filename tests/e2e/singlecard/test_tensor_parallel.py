@@ -4,8 +4,8 @@ token-identical to the same TP=2 engine without the connector."""
 
 import pytest
 
-from kvoffload_hal.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
-from kvoffload_hal.tiny_model import synthetic_text
+from kvoffload_hal.demo.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
+from kvoffload_hal.demo.tiny_model import synthetic_text
 
 pytestmark = pytest.mark.e2e
 

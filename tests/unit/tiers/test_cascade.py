@@ -4,8 +4,8 @@ import pytest
 
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.tiers.base import TierIndex
-from kvoffload_hal.tiers.cascade import TierCascade
+from kvoffload_hal.tiers.scheduler_cascade import TierCascade
+from kvoffload_hal.tiers.scheduler_index import TierIndex
 
 BS = 16
 

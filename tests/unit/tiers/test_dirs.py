@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvoffload_hal.config import OffloadConfig
-from kvoffload_hal.tiers.dirs import LOCK, MARKER, TierDir
-from kvoffload_hal.tiers.disk import DiskTier
+from kvoffload_hal.tiers.disk.dirs import LOCK, MARKER, TierDir
+from kvoffload_hal.tiers.disk.worker import DiskTier
 from support.polling import collect_results
 
 
@@ -39,7 +39,7 @@ def test_servers_on_one_disk_path_never_share_files(tmp_path):
 
 def test_directories_of_stopped_servers_are_removed_at_start_up(tmp_path):
     # A server killed without shutdown: its directory stays, its lock dies with it.
-    code = ("import os, sys; from kvoffload_hal.tiers.dirs import TierDir; "
+    code = ("import os, sys; from kvoffload_hal.tiers.disk.dirs import TierDir; "
             "d = TierDir(sys.argv[1], 0); open(os.path.join(d.path, 'x.kvb.1.tmp'), 'w'); "
             "os._exit(0)")
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)

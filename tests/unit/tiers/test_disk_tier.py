@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvoffload_hal.tiers.block_value import HEADER as _HEADER
-from kvoffload_hal.tiers.disk import DiskTier
+from kvoffload_hal.tiers.disk.worker import DiskTier
 from support.polling import collect_results, wait_until
 
 

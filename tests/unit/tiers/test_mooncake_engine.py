@@ -67,7 +67,7 @@ def test_corrupted_values_are_recomputed_by_the_reader(make_engine, master):
 
 
 def test_an_unreachable_master_serves_without_the_tier_or_refuses(make_engine, caplog):
-    from kvoffload_hal.tiers.mooncake_client import MooncakeUnavailable
+    from kvoffload_hal.tiers.mooncake.client import MooncakeUnavailable
 
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()

@@ -16,7 +16,7 @@ FP_A, FP_B = bytes(range(32)), bytes(range(1, 33))
 
 
 def _cfg(address, **kw):
-    from kvoffload_hal.tiers.mooncake_config import MooncakeConfig
+    from kvoffload_hal.tiers.mooncake.config import MooncakeConfig
 
     return MooncakeConfig(master=address, segment_bytes=16 << 20, buffer_bytes=16 << 20,
                           connect_timeout_s=2.0, **kw)
@@ -41,7 +41,7 @@ class Host:
 
 
 def _tier(address, host, fingerprint=FP_A):
-    from kvoffload_hal.tiers.mooncake import open_mooncake_tier
+    from kvoffload_hal.tiers.mooncake.worker import open_mooncake_tier
 
     return open_mooncake_tier(_cfg(address), host.buffer, host.views, fingerprint)
 
@@ -113,7 +113,7 @@ def _put_raw(tier, key, value: bytes):
 
 @pytest.mark.parametrize("damage", ["payload", "truncated", "key"])
 def test_a_damaged_value_fails_its_key_and_is_removed(tiers, damage):
-    from kvoffload_hal.tiers.mooncake import HEADER
+    from kvoffload_hal.tiers.mooncake.worker import HEADER
 
     host = Host(seed=4)
     tier = tiers(host)
@@ -154,8 +154,8 @@ def test_a_killed_master_fails_jobs_at_once_and_poll_never_blocks(master, tiers)
 
 
 def test_an_unreachable_master_gives_a_tier_that_fails_every_job(caplog):
-    from kvoffload_hal.tiers.mooncake import UnavailableTier, open_mooncake_tier
-    from kvoffload_hal.tiers.mooncake_client import MooncakeUnavailable
+    from kvoffload_hal.tiers.mooncake.client import MooncakeUnavailable
+    from kvoffload_hal.tiers.mooncake.worker import UnavailableTier, open_mooncake_tier
     from support.mooncake_master import free_port
 
     host = Host()
@@ -178,7 +178,7 @@ def test_store_keys_name_the_fingerprint(tiers):
 
 def test_a_peer_that_left_fails_its_blocks_and_nothing_is_read_wrong(master):
     """The bytes live in the writer's segment: once it is gone, reads fail cleanly."""
-    from kvoffload_hal.tiers.mooncake import open_mooncake_tier
+    from kvoffload_hal.tiers.mooncake.worker import open_mooncake_tier
 
     a_host, b_host = Host(seed=6), Host(seed=7)
     a = _tier(master.address, a_host)

@@ -4,7 +4,7 @@ import pytest
 
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.tiers.shared import SharedTierCascade, SharedTierIndex
+from kvoffload_hal.tiers.scheduler_shared import SharedTierCascade, SharedTierIndex
 
 BS = 16
 TIMEOUT_S = 5.0

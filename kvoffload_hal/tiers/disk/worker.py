@@ -1,7 +1,7 @@
 """Local-disk secondary tier: one checksummed file per block and rank.
 
 Layout: ``<disk_path>/rank<r>.<random>/<key[:2]>/<key>.kvb``, one directory per
-worker of each running server (see :mod:`kvoffload_hal.tiers.dirs`). A file is
+worker of each running server (see :mod:`kvoffload_hal.tiers.disk.dirs`). A file is
 
 one block value (:mod:`~kvoffload_hal.tiers.block_value`): header, block key,
 then the block's bytes in every host region. A read checks all of it: a missing
@@ -33,10 +33,10 @@ import torch
 
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.base import BlockKey, SecondaryTier, TierItem, TierJobResult
 from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
-from kvoffload_hal.tiers.dirs import DIR_MODE, FILE_MODE, TierDir
+from kvoffload_hal.tiers.disk.dirs import DIR_MODE, FILE_MODE, TierDir
 from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
+from kvoffload_hal.tiers.worker_tier import BlockKey, SecondaryTier, TierItem, TierJobResult
 
 logger = init_logger(__name__)
 

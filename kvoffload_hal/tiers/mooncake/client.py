@@ -23,7 +23,7 @@ from typing import Any
 
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.mooncake_config import MooncakeConfig
+from kvoffload_hal.tiers.mooncake.config import MooncakeConfig
 
 logger = init_logger(__name__)
 

@@ -37,10 +37,10 @@ from kvoffload_hal.metadata import (
     TierJobs,
 )
 from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
-from kvoffload_hal.tiers.base import NullTier, SecondaryTier
-from kvoffload_hal.tiers.disk import DiskTier
+from kvoffload_hal.tiers.disk.worker import DiskTier
 from kvoffload_hal.tiers.identity import kv_fingerprint
-from kvoffload_hal.tiers.mooncake import open_mooncake_tier
+from kvoffload_hal.tiers.mooncake.worker import open_mooncake_tier
+from kvoffload_hal.tiers.worker_tier import NullTier, SecondaryTier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,105 +1,17 @@
-"""Secondary tiers behind the CPU tier: the interface and the scheduler-side index.
+"""Scheduler side of a secondary tier: the index of the keys it holds.
 
-The CPU tier is the only tier that talks to the device. A secondary tier (local
-disk today; an object store or a remote KV store later) holds copies of CPU-tier
-blocks, keyed by block hash, and moves bytes only between itself and CPU-tier
-blocks. Its work is split like the connector's:
-
-* the **scheduler** decides, with a :class:`TierIndex`, which hashes the tier
-  holds, what to evict and what to promote; it never sees the bytes;
-* the **worker**, where the CPU-tier memory lives, runs a :class:`SecondaryTier`
-  that copies blocks between CPU memory and the tier, asynchronously.
-
-Contract of :class:`SecondaryTier` (every method on the engine thread):
-
-``submit_store(job_id, items)``
-    Persist each ``(key, cpu_block_id)``: read the CPU block (its bytes in every
-    host region) and write it under ``key``. The CPU blocks are kept unchanged
-    by the caller until the job's result is polled.
-``submit_load(job_id, items)``
-    Read each key into its CPU block. Integrity is checked: a torn, corrupted
-    or missing entry fails that key (the caller recomputes), never yields
-    wrong bytes. The destination blocks are untouched by anyone else until
-    the result is polled.
-``poll()``
-    Non-blocking: results of finished jobs, each once, with the keys that
-    failed.
-``evict(keys)``
-    Forget and delete entries; never called for a key with a job in flight.
-``submit_probe(job_id, keys)`` (shared tiers only)
-    Ask which keys the tier holds now, for blocks other instances wrote; the
-    job's result fails the keys it does not hold.
-``shutdown(timeout_s)``
-    Stop, waiting at most ``timeout_s`` for jobs in flight. True when no job
-    still runs; False when one may still read or write CPU-tier memory.
-
-To add a tier: implement :class:`SecondaryTier`, and give it a capacity in
-blocks for the scheduler's :class:`TierIndex`.
+The scheduler decides, with a :class:`TierIndex`, which hashes a secondary tier
+holds, what to evict and what to promote; it never sees the bytes (the worker
+half, :class:`~kvoffload_hal.tiers.worker_tier.SecondaryTier`, moves them).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-BlockKey = str  # hex of vLLM's block hash (with group id): file-name safe, picklable
-TierItem = tuple[BlockKey, int]  # (key, CPU-tier block id)
-
-
-@dataclass(frozen=True)
-class TierJobResult:
-    job_id: int
-    failed_keys: tuple[BlockKey, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return not self.failed_keys
-
-
-class SecondaryTier(ABC):
-    """Worker-side data mover of one secondary tier; see the module docstring."""
-
-    name = ""
-
-    @abstractmethod
-    def submit_store(self, job_id: int, items: Sequence[TierItem]) -> None: ...
-
-    @abstractmethod
-    def submit_load(self, job_id: int, items: Sequence[TierItem]) -> None: ...
-
-    @abstractmethod
-    def poll(self) -> list[TierJobResult]: ...
-
-    @abstractmethod
-    def evict(self, keys: Iterable[BlockKey]) -> None: ...
-
-    def submit_probe(self, job_id: int, keys: Sequence[BlockKey]) -> None:
-        """A shared tier only: ask which ``keys`` the tier holds now; the job's
-        result fails the keys it does not hold."""
-        raise NotImplementedError(f"the {self.name} tier answers no existence queries")
-
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
-        return True
-
-
-class NullTier(SecondaryTier):
-    """No secondary tier: nothing is ever submitted to it, so it never has results."""
-
-    name = "none"
-    num_pending = 0
-
-    def submit_store(self, job_id: int, items: Sequence[TierItem]) -> None:
-        raise RuntimeError("no secondary tier is configured")
-
-    submit_load = submit_store
-
-    def poll(self) -> list[TierJobResult]:
-        return []
-
-    def evict(self, keys: Iterable[BlockKey]) -> None:
-        pass
+from kvoffload_hal.tiers.worker_tier import BlockKey
 
 
 @dataclass

@@ -10,7 +10,7 @@ request's first block on (prefix caching serves nothing after a miss):
   block's next use is later than its own, and that block is evicted. A block's
   next use is never earlier than its parent's (a request reads the parent
   first), so the optimum holds whole prefixes and its block hits are prefix hits.
-* :func:`replay_tier`: the real :class:`~kvoffload_hal.cpu_tier.CpuTier`
+* :func:`replay_tier`: the real :class:`~kvoffload_hal.scheduler.cpu_tier.CpuTier`
   (vLLM's ``BlockPool`` and coordinator, and the eviction policy), driven as the
   scheduler drives it: find the hit, pin it, load it, store the misses in
   fresh blocks, publish, unpin. No model runs.
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from kvoffload_hal.cpu_tier import CpuTier
+from kvoffload_hal.scheduler.cpu_tier import CpuTier
 
 Trace = Sequence[Sequence[int]]  # requests, each its block keys in prompt order
 REPLAY_BLOCK_SIZE = 16  # tokens per block in a replayed tier: only the count matters

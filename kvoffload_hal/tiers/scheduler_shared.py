@@ -1,6 +1,6 @@
 """Scheduler side of a tier shared by every instance (Mooncake Store).
 
-A local tier's :class:`~kvoffload_hal.tiers.base.TierIndex` knows everything
+A local tier's :class:`~kvoffload_hal.tiers.worker_tier.TierIndex` knows everything
 the tier holds: only this instance writes it. A shared store also holds what
 other instances wrote, and loses objects the master evicts. So:
 
@@ -32,16 +32,17 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
-from kvoffload_hal.tally import RankTally
-from kvoffload_hal.tiers.base import BlockKey, TierIndex, _Entry
-from kvoffload_hal.tiers.cascade import NullCascade, TierCascade
+from kvoffload_hal.scheduler.jobs import RankTally
+from kvoffload_hal.tiers.scheduler_cascade import NullCascade, TierCascade
+from kvoffload_hal.tiers.scheduler_index import TierIndex, _Entry
+from kvoffload_hal.tiers.worker_tier import BlockKey
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from kvoffload_hal.cpu_tier import CpuTier
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.tiers.mooncake_config import MooncakeConfig
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.tiers.mooncake.config import MooncakeConfig
 
 logger = init_logger(__name__)
 
@@ -190,7 +191,7 @@ def make_shared_cascade(cfg: MooncakeConfig, supported: bool, cpu: CpuTier, worl
                         stats: StatsLedger) -> NullCascade:
     """The Mooncake tier's scheduler half; no tier for a model it does not support
     (``supported``: one KV cache group) or when the master is unreachable."""
-    from kvoffload_hal.tiers.mooncake_client import tier_available
+    from kvoffload_hal.tiers.mooncake.client import tier_available
 
     if not supported:
         logger.warning("HALOffloadConnector: the Mooncake tier supports models with one KV "

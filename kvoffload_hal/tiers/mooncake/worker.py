@@ -42,18 +42,18 @@ import torch
 
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.base import BlockKey, SecondaryTier, TierItem, TierJobResult
 from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
-from kvoffload_hal.tiers.mooncake_client import (
+from kvoffload_hal.tiers.mooncake.client import (
     MooncakeUnavailable,
     connect,
     refuse_or_warn,
     register,
     tier_available,
 )
+from kvoffload_hal.tiers.worker_tier import BlockKey, SecondaryTier, TierItem, TierJobResult
 
 if TYPE_CHECKING:
-    from kvoffload_hal.tiers.mooncake_config import MooncakeConfig
+    from kvoffload_hal.tiers.mooncake.config import MooncakeConfig
 
 logger = init_logger(__name__)
 

@@ -25,15 +25,16 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
-from kvoffload_hal.tally import RankTally
-from kvoffload_hal.tiers.base import BlockKey, TierIndex
+from kvoffload_hal.scheduler.jobs import RankTally
+from kvoffload_hal.tiers.scheduler_index import TierIndex
+from kvoffload_hal.tiers.worker_tier import BlockKey
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
-    from kvoffload_hal.cpu_tier import CpuTier, Hit
     from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
 
 NO_TIER_JOBS = TierJobs()
 

@@ -1,10 +1,10 @@
 """Scheduler side: the life of every load and store job.
 
-The CPU tier itself is :class:`~kvoffload_hal.cpu_tier.CpuTier` (vLLM's own
+The CPU tier itself is :class:`~kvoffload_hal.scheduler.cpu_tier.CpuTier` (vLLM's own
 ``BlockPool`` and ``KVCacheCoordinator``), the choice of blocks to store is a
-:class:`~kvoffload_hal.store_policy.StorePolicy`, and a secondary tier behind
-the CPU tier is a :class:`~kvoffload_hal.tiers.cascade.TierCascade` (or the
-do-nothing :class:`~kvoffload_hal.tiers.cascade.NullCascade`). This module
+:class:`~kvoffload_hal.scheduler.store_policy.StorePolicy`, and a secondary tier behind
+the CPU tier is a :class:`~kvoffload_hal.tiers.scheduler_cascade.TierCascade` (or the
+do-nothing :class:`~kvoffload_hal.tiers.scheduler_cascade.NullCascade`). This module
 keeps every block it borrows referenced until the copy is over:
 
 * a CPU hit is pinned the moment ``get_num_new_matched_tokens`` finds it, so
@@ -32,7 +32,6 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks, num_disk_blocks
-from kvoffload_hal.cpu_tier import CpuTier, Hit, pin_ids, unpin_ids
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import (
     JobReport,
@@ -41,17 +40,18 @@ from kvoffload_hal.metadata import (
     OffloadWorkerMetadata,
 )
 from kvoffload_hal.metrics import OffloadStats, StatsLedger
-from kvoffload_hal.store_jobs import StoreJobs
-from kvoffload_hal.store_policy import (
+from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit, pin_ids, unpin_ids
+from kvoffload_hal.scheduler.jobs import RankTally
+from kvoffload_hal.scheduler.store_jobs import StoreJobs
+from kvoffload_hal.scheduler.store_policy import (
     EagerPolicy,
     LazyPolicy,
     StorePolicy,
     lazy_window_blocks,
 )
-from kvoffload_hal.tally import RankTally
-from kvoffload_hal.tiers.base import TierIndex
-from kvoffload_hal.tiers.cascade import NullCascade, TierCascade
-from kvoffload_hal.tiers.shared import make_shared_cascade
+from kvoffload_hal.tiers.scheduler_cascade import NullCascade, TierCascade
+from kvoffload_hal.tiers.scheduler_index import TierIndex
+from kvoffload_hal.tiers.scheduler_shared import make_shared_cascade
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

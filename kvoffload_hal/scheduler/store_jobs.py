@@ -17,19 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvoffload_hal.cpu_tier import pin_ids, unpin_ids
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, StoreSpec
-from kvoffload_hal.store_policy import BlockPicker
-from kvoffload_hal.tally import RankTally
+from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
+from kvoffload_hal.scheduler.jobs import RankTally
+from kvoffload_hal.scheduler.store_policy import BlockPicker
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvoffload_hal.cpu_tier import CpuTier
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.tiers.cascade import NullCascade
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
 
 logger = init_logger(__name__)
 

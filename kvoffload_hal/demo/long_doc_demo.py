@@ -17,14 +17,14 @@ import os
 import random
 import time
 
-from kvoffload_hal.inprocess import (
+from kvoffload_hal.demo.inprocess import (
     EngineSpec,
     close_llm,
     make_llm,
     scheduler_connector,
     set_inprocess_env,
 )
-from kvoffload_hal.tiny_model import TinyModelSpec, build_tiny_llama, synthetic_text
+from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama, synthetic_text
 
 BLOCK_SIZE = 32
 DEMO_MODEL = TinyModelSpec(hidden_size=512, intermediate_size=1536, num_hidden_layers=4,

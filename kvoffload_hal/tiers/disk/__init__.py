@@ -1,0 +1,1 @@
+"""The local-disk tier."""
