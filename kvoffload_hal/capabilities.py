@@ -9,8 +9,8 @@ backend (its class only: nothing is instantiated, no device is touched):
   disk tier and synchronous loads rely on that mapping.
 * ``synchronous_compute``: the backend's forward pass has finished when the
   worker submits a step's copies (vLLM's CPU platform), as the HAL states.
-* ``sync_loads``: ``load_mode`` resolved; ``disk_tier``: the disk tier runs;
-  ``mooncake_tier``: the Mooncake tier is configured.
+* ``sync_loads``: ``load_mode`` resolved; ``tier``: the name of the secondary
+  tier that runs (configured, and accepting this model), or None.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
 from kvoffload_hal.hal.registry import get_backend_class
+from kvoffload_hal.tiers.registry import tier_runs
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -31,13 +32,12 @@ class Capabilities:
     single_group: bool
     synchronous_compute: bool
     sync_loads: bool
-    disk_tier: bool
-    mooncake_tier: bool = False
+    tier: str | None = None
 
     @property
     def secondary_tier(self) -> bool:
-        """A tier behind the CPU tier runs (disk or Mooncake)."""
-        return self.disk_tier or self.mooncake_tier
+        """A tier behind the CPU tier runs."""
+        return self.tier is not None
 
     @property
     def report_failed_blocks(self) -> bool:
@@ -61,6 +61,6 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
         sync_loads = synchronous_compute and single_group
     else:
         sync_loads = config.load_mode == "sync"
+    runs = tier_runs(config.tier, num_groups)
     return Capabilities(single_group, synchronous_compute, sync_loads,
-                        disk_tier=config.disk_enabled and single_group,
-                        mooncake_tier=config.mooncake is not None and single_group)
+                        tier=config.tier.name if runs else None)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, StoreSpec
 from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
-from kvoffload_hal.scheduler.jobs import RankTally
+from kvoffload_hal.scheduler.jobs import JobBook
 from kvoffload_hal.scheduler.store_policy import BlockPicker
 
 if TYPE_CHECKING:
@@ -41,7 +41,6 @@ class _Store:
     gpu_ids: list[int]
     cpu_ids: list[int]
     hashes: list[Any]
-    tally: RankTally | None = None  # set when sent
     abandoned: bool = False  # reset_cache() ran while in flight: do not publish
 
 
@@ -51,11 +50,9 @@ class StoreJobs:
         self.cpu = cpu
         self.cascade = cascade
         self.stats = stats
-        self.world_size = world_size
         self.gpu_pool: BlockPool | None = None
         self._queued: list[_Store] = []
-        self._sent: dict[int, _Store] = {}
-        self._next_job = 0
+        self._sent: JobBook[_Store] = JobBook(world_size)
         self._in_flight_gpu: set[int] = set()
         self._in_flight_hashes: set[Any] = set()
 
@@ -96,24 +93,21 @@ class StoreJobs:
         """This step's queued stores as one job, or None."""
         if not self._queued:
             return None
-        job = self._next_job
-        self._next_job += 1
-        store = _Store([], [], [], RankTally(self.world_size))
+        store = _Store([], [], [])
         for queued in self._queued:
             store.gpu_ids += queued.gpu_ids
             store.cpu_ids += queued.cpu_ids
             store.hashes += queued.hashes
         self._queued.clear()
-        self._sent[job] = store
-        return StoreSpec(job, store.gpu_ids, store.cpu_ids)
+        return StoreSpec(self._sent.send(store), store.gpu_ids, store.cpu_ids)
 
     def on_report(self, job: int, report: JobReport) -> None:
-        store = self._sent.get(job)
-        if store is None or not store.tally.report(report.ranks, report.failed):
+        done = self._sent.report(job, report)
+        if done is None:
             return  # every TP/PP rank must have copied its shard
-        del self._sent[job]
+        store = done.payload
         cpu_blocks = self.cpu.blocks(store.cpu_ids)
-        if store.tally.failed:
+        if done.tally.failed:
             logger.warning("store job %d failed on a rank; %d blocks not offloaded",
                            job, len(cpu_blocks))
         elif not store.abandoned:
@@ -125,7 +119,7 @@ class StoreJobs:
     # --------------------------------------------------------------- misc
     def reset(self) -> None:
         """Stores in flight finish but are not published; queued ones are dropped."""
-        for store in self._sent.values():
+        for store in self._sent.payloads():
             store.abandoned = True
         for store in self._queued:
             self._release(store)

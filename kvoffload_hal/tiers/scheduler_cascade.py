@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
-from kvoffload_hal.scheduler.jobs import RankTally
+from kvoffload_hal.scheduler.jobs import JobBook, RankTally
 from kvoffload_hal.tiers.scheduler_index import TierIndex
 from kvoffload_hal.tiers.worker_tier import BlockKey
 
@@ -82,11 +82,11 @@ class _TierJob:
 
 
 @dataclass
-class _TierStep:
+class TierStep:
     """The jobs of one kind sent in one step: they share one id and one tally."""
 
-    tally: RankTally
-    jobs: list[_TierJob]
+    kind: str  # "spill", "promote", or a subclass's own kind (a shared tier's "probe")
+    jobs: list[Any]
 
 
 class TierCascade(NullCascade):
@@ -97,8 +97,7 @@ class TierCascade(NullCascade):
         self.world_size = world_size
         self.stats = stats
         self._queued: list[_TierJob] = []
-        self._steps: dict[int, _TierStep] = {}
-        self._next_job = 0
+        self._sent: JobBook[TierStep] = JobBook(world_size)
         self._promoting: dict[str, _TierJob] = {}
         self._promoted: dict[str, list[KVCacheBlock]] = {}
         self._no_promotion: set[str] = set()
@@ -172,23 +171,21 @@ class TierCascade(NullCascade):
         jobs = [j for j in self._queued if j.promote == promote]
         if not jobs:
             return None
-        job_id = self._next_job
-        self._next_job += 1
-        self._steps[job_id] = _TierStep(RankTally(self.world_size), jobs)
+        job_id = self._sent.send(TierStep("promote" if promote else "spill", jobs))
         return TierJobSpec(job_id, [(k, b.block_id) for j in jobs
                                     for k, b in zip(j.keys, j.blocks)])
 
     def on_reports(self, reports: dict[int, JobReport]) -> None:
         for job_id, report in reports.items():
-            step = self._steps.get(job_id)
-            if step is None:
-                continue
-            for job in step.jobs:
-                job.failed.update(set(report.failed_keys).intersection(job.keys))
-            if step.tally.report(report.ranks):
-                del self._steps[job_id]
-                for job in step.jobs:
-                    (self._finish_promotion if job.promote else self._finish_spill)(job)
+            done = self._sent.report(job_id, report)
+            if done is not None:
+                self._on_done(done.payload, done.tally)
+
+    def _on_done(self, step: TierStep, tally: RankTally) -> None:
+        """Every rank reported the step's jobs; a key failed if it failed on any rank."""
+        for job in step.jobs:
+            job.failed.update(tally.failed_keys.intersection(job.keys))
+            (self._finish_promotion if job.promote else self._finish_spill)(job)
 
     def _finish_spill(self, job: _TierJob) -> None:
         ok = [k for k in job.keys if k not in job.failed]
@@ -223,9 +220,10 @@ class TierCascade(NullCascade):
 
     # --------------------------------------------------------------- misc
     def reset(self) -> None:
-        for step in self._steps.values():
-            for job in step.jobs:
-                job.abandoned = True
+        for step in self._sent.payloads():
+            if step.kind in ("spill", "promote"):  # a subclass's own kinds reset theirs
+                for job in step.jobs:
+                    job.abandoned = True
         for job in self._queued:  # never sent: release now
             if job.promote:
                 self.index.unpin(job.keys)
@@ -238,4 +236,4 @@ class TierCascade(NullCascade):
         self.index.reset()
 
     def has_pending(self) -> bool:
-        return bool(self._queued or self._steps)
+        return bool(self._queued or len(self._sent))

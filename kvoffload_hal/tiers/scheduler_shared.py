@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import RankTally
-from kvoffload_hal.tiers.scheduler_cascade import NullCascade, TierCascade
+from kvoffload_hal.tiers.scheduler_cascade import TierCascade, TierStep
 from kvoffload_hal.tiers.scheduler_index import TierIndex, _Entry
 from kvoffload_hal.tiers.worker_tier import BlockKey
 
@@ -42,15 +41,6 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
-    from kvoffload_hal.tiers.mooncake.config import MooncakeConfig
-
-logger = init_logger(__name__)
-
-# Keys the scheduler remembers the store holds. Not the store's capacity (the
-# master evicts by itself): past it, the least recently used are forgotten and
-# asked for again when needed.
-KNOWN_KEYS = 1 << 16
-
 
 class SharedTierIndex(TierIndex):
     """What this instance knows a shared store holds; see the module docstring."""
@@ -89,7 +79,6 @@ class SharedTierCascade(TierCascade):
         self.timeout_s = timeout_s
         self._clock = clock
         self._probes: dict[str, _Probe] = {}
-        self._probe_steps: dict[int, tuple[RankTally, list[_Probe]]] = {}
         self._promote_started: dict[str, float] = {}
 
     def _promote(self, request: Request, first_block: int, end_block: int) -> bool:
@@ -136,31 +125,26 @@ class SharedTierCascade(TierCascade):
         new = [p for p in self._probes.values() if p.job_id is None]
         if not new:
             return jobs
-        job_id = self._next_job
-        self._next_job += 1
+        job_id = self._sent.send(TierStep("probe", new))
         for probe in new:
             probe.job_id = job_id
-        self._probe_steps[job_id] = (RankTally(self.world_size), new)
         keys = list(dict.fromkeys(k for p in new for k in p.keys))
         return jobs._replace(probe=TierJobSpec(job_id, [(k, -1) for k in keys]))
 
     def on_reports(self, reports: dict[int, JobReport]) -> None:
-        failed_blocks = sum(len(r.failed_keys) for j, r in reports.items() if j in self._steps)
+        failed_blocks = sum(len(r.failed_keys) for j, r in reports.items()
+                            if (step := self._sent.get(j)) is not None and step.kind != "probe")
         self.stats.record_mooncake(failed=failed_blocks)
         super().on_reports(reports)
-        for job_id, report in reports.items():
-            entry = self._probe_steps.get(job_id)
-            if entry is None:
-                continue
-            tally, probes = entry
-            for probe in probes:
-                probe.missing.update(report.failed_keys)
-            if not tally.report(report.ranks):
-                continue
-            del self._probe_steps[job_id]
-            for probe in probes:  # a block is readable when every rank holds its shard
-                self.index.learn(_leading_run(probe.keys, probe.missing))
-                probe.answered = True
+
+    def _on_done(self, step: TierStep, tally: RankTally) -> None:
+        if step.kind != "probe":
+            super()._on_done(step, tally)
+            return
+        for probe in step.jobs:  # a block is readable when every rank holds its shard
+            probe.missing.update(tally.failed_keys)
+            self.index.learn(_leading_run(probe.keys, probe.missing))
+            probe.answered = True
 
     def _record_moved(self, spilled: int, promoted: int) -> None:
         self.stats.record_mooncake(spilled=spilled, promoted=promoted)
@@ -169,13 +153,13 @@ class SharedTierCascade(TierCascade):
         """Forget what this instance knows; the shared store keeps its objects."""
         super().reset()
         self._probes.clear()
-        for _, probes in self._probe_steps.values():
-            for probe in probes:
-                probe.keys = []  # answered after the reset: learn nothing
+        for step in self._sent.payloads():
+            if step.kind == "probe":
+                for probe in step.jobs:
+                    probe.keys = []  # answered after the reset: learn nothing
 
     def has_pending(self) -> bool:
-        return super().has_pending() or bool(self._probe_steps) or any(
-            p.job_id is None for p in self._probes.values())
+        return super().has_pending() or any(p.job_id is None for p in self._probes.values())
 
 
 def _leading_run(keys: Sequence[BlockKey], missing: set[BlockKey]) -> list[BlockKey]:
@@ -185,19 +169,3 @@ def _leading_run(keys: Sequence[BlockKey], missing: set[BlockKey]) -> list[Block
             break
         run.append(key)
     return run
-
-
-def make_shared_cascade(cfg: MooncakeConfig, supported: bool, cpu: CpuTier, world_size: int,
-                        stats: StatsLedger) -> NullCascade:
-    """The Mooncake tier's scheduler half; no tier for a model it does not support
-    (``supported``: one KV cache group) or when the master is unreachable."""
-    from kvoffload_hal.tiers.mooncake.client import tier_available
-
-    if not supported:
-        logger.warning("HALOffloadConnector: the Mooncake tier supports models with one KV "
-                       "cache group; it is disabled for this model")
-        return NullCascade()
-    if not tier_available(cfg, "scheduler"):
-        return NullCascade()
-    return SharedTierCascade(SharedTierIndex(KNOWN_KEYS), cpu, world_size, stats,
-                             cfg.timeout_s)

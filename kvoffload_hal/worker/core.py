@@ -37,9 +37,9 @@ from kvoffload_hal.metadata import (
     TierJobs,
 )
 from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
-from kvoffload_hal.tiers.disk.worker import DiskTier
 from kvoffload_hal.tiers.identity import kv_fingerprint
-from kvoffload_hal.tiers.mooncake.worker import open_mooncake_tier
+from kvoffload_hal.tiers.registry import build_worker_half
+from kvoffload_hal.tiers.spec import WorkerTierContext
 from kvoffload_hal.tiers.worker_tier import NullTier, SecondaryTier
 
 if TYPE_CHECKING:
@@ -107,14 +107,10 @@ class OffloadWorker:
         self.backend = backend
         self._copy_path = CopyPathWatch(backend)
         if self.caps.secondary_tier:
-            fingerprint = kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank)
-            views = self._host_block_views(host_regions)
-            if self.caps.disk_tier:
-                self.tier = DiskTier(self.config.disk_path, self.rank, views,
-                                     self.config.disk_o_direct, fingerprint)
-            else:
-                self.tier = open_mooncake_tier(self.config.mooncake, self.host_buffer, views,
-                                               fingerprint)
+            self.tier = build_worker_half(self.config.tier, True, WorkerTierContext(
+                self.rank, self.world_size, self.host_buffer,
+                self._host_block_views(host_regions),
+                kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank)))
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB) on the %r backend",
@@ -254,7 +250,7 @@ class OffloadWorker:
             return
         logger.warning("HALOffloadConnector: %s still running after %.0f s at shutdown; its "
                        "host buffer (%.2f GiB) is kept until the process exits",
-                       "a copy" if not backend_idle else "disk IO", SHUTDOWN_TIMEOUT_S,
+                       "a copy" if not backend_idle else "tier IO", SHUTDOWN_TIMEOUT_S,
                        buffer.numel() / 2**30)
         _BUSY_AT_SHUTDOWN.append(buffer)
 

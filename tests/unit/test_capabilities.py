@@ -59,9 +59,9 @@ def test_auto_loads_follow_the_backends_synchronous_compute():
 def test_disk_tier_and_per_block_failures_need_one_group(tmp_path):
     disk = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20}
     one, two = _caps(1, **disk), _caps(2, **disk)
-    assert one.disk_tier and one.report_failed_blocks
-    assert not two.disk_tier and not two.report_failed_blocks
-    assert not _caps(1).disk_tier  # no disk_path
+    assert one.tier == "disk" and one.report_failed_blocks
+    assert two.tier is None and not two.report_failed_blocks
+    assert _caps(1).tier is None  # no disk_path
 
 
 def test_a_missing_backend_fails_with_its_name():

@@ -1,1 +1,117 @@
-"""The local-disk tier."""
+"""The local-disk tier: its keys, and both halves.
+
+=====================  ==========  =================================================
+key                    default     meaning
+=====================  ==========  =================================================
+``disk_path``          (none)      directory of a disk tier behind the CPU tier
+                                   (created private if missing; must be writable;
+                                   absolute, or starting with ``~``)
+``disk_bytes_to_use``  (none)      disk tier capacity for the whole instance, split
+                                   across ranks (int bytes > 0; needs ``disk_path``)
+``disk_o_direct``      ``false``   bypass the page cache for disk-tier IO
+=====================  ==========  =================================================
+
+The scheduler half is a :class:`~kvoffload_hal.tiers.scheduler_cascade.TierCascade`
+over a :class:`~kvoffload_hal.tiers.scheduler_index.TierIndex` of
+``disk_bytes_to_use / (TP x PP)`` bytes' worth of blocks; the worker half is
+:class:`~kvoffload_hal.tiers.disk.worker.DiskTier`, one private directory per
+rank. Models with one KV cache group only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_hal.config_values import boolean, positive_int
+from kvoffload_hal.logger import init_logger
+from kvoffload_hal.tiers.disk.dirs import DIR_MODE, check_private_dir
+from kvoffload_hal.tiers.spec import (
+    CapacityClaim,
+    SchedulerTierContext,
+    TierSpec,
+    WorkerTierContext,
+)
+
+if TYPE_CHECKING:
+    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
+    from kvoffload_hal.tiers.worker_tier import SecondaryTier
+
+logger = init_logger(__name__)
+
+
+class DiskTierSpec(TierSpec):
+    name = "disk"
+    switch_key = "disk_path"
+    keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct")
+
+    def __init__(self, path: str, bytes_to_use: int, o_direct: bool = False) -> None:
+        self.path = path
+        self.bytes_to_use = bytes_to_use
+        self.o_direct = o_direct
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> DiskTierSpec | None:
+        o_direct = boolean("disk_o_direct", extra.get("disk_o_direct", False))
+        path = extra.get("disk_path")
+        if path is None:
+            for key in ("disk_bytes_to_use", "disk_o_direct"):
+                if extra.get(key) not in (None, False):
+                    raise ValueError(f"kv_connector_extra_config['{key}'] is set but "
+                                     "'disk_path' is not: expected both for a disk tier")
+            return None
+        path = _absolute_dir(path)
+        if "disk_bytes_to_use" not in extra:
+            raise ValueError("kv_connector_extra_config['disk_path'] is set but "
+                             "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
+        bytes_to_use = positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
+        _check_writable_dir(path)
+        return cls(path, bytes_to_use, o_direct)
+
+    def capacity_claims(self, world_size: int) -> list[CapacityClaim]:
+        return [CapacityClaim("disk_bytes_to_use", self.bytes_to_use // max(1, world_size),
+                              shutil.disk_usage(self.path).free, f"free in {self.path}")]
+
+    def scheduler_half(self, ctx: SchedulerTierContext) -> NullCascade:
+        from kvoffload_hal.config import num_blocks_for
+        from kvoffload_hal.tiers.scheduler_cascade import TierCascade
+        from kvoffload_hal.tiers.scheduler_index import TierIndex
+
+        index = TierIndex(num_blocks_for("disk_bytes_to_use", ctx.kv_cache_config,
+                                         self.bytes_to_use // max(1, ctx.world_size)))
+        logger.info("HALOffloadConnector: disk tier of %d blocks at %s",
+                    index.capacity_blocks, self.path)
+        return TierCascade(index, ctx.cpu, ctx.world_size, ctx.stats)
+
+    def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:
+        from kvoffload_hal.tiers.disk.worker import DiskTier
+
+        return DiskTier(self.path, ctx.rank, ctx.host_views, self.o_direct, ctx.fingerprint)
+
+
+def _absolute_dir(value: Any) -> str:
+    """``disk_path`` with ``~`` expanded; a relative path would depend on each
+    process's working directory (scheduler and workers may differ), so it is refused."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"kv_connector_extra_config['disk_path']={value!r}: "
+                         "expected a directory path")
+    path = os.path.expanduser(value)
+    if not os.path.isabs(path):
+        raise ValueError(f"kv_connector_extra_config['disk_path']={value!r}: expected an "
+                         "absolute path (or one starting with ~)")
+    return path
+
+
+def _check_writable_dir(path: str) -> None:
+    try:
+        os.makedirs(path, mode=DIR_MODE, exist_ok=True)  # created private: KV reveals prompts
+        check_private_dir(path, "kv_connector_extra_config['disk_path']")
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"kv_connector_extra_config['disk_path']={path!r}: expected a writable directory "
+            f"({e.strerror or e})"
+        ) from None

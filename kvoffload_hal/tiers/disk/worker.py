@@ -26,8 +26,6 @@ import mmap
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 
 import torch
 
@@ -36,7 +34,8 @@ from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
 from kvoffload_hal.tiers.disk.dirs import DIR_MODE, FILE_MODE, TierDir
 from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
-from kvoffload_hal.tiers.worker_tier import BlockKey, SecondaryTier, TierItem, TierJobResult
+from kvoffload_hal.tiers.worker_pool import PooledTier
+from kvoffload_hal.tiers.worker_tier import BlockKey, TierItem
 
 logger = init_logger(__name__)
 
@@ -45,60 +44,38 @@ FORMAT_VERSION = 2
 # O_DIRECT needs buffers, offsets and lengths aligned to the logical block size;
 # 4 KiB covers every common device.
 DIRECT_IO_ALIGN = 4096
-IO_THREADS = 2
 
 
-class DiskTier(SecondaryTier):
+class DiskTier(PooledTier):
     name = "disk"
+    label = "disk tier"
 
     def __init__(self, root: str, rank: int, host_views: Sequence[torch.Tensor],
                  o_direct: bool = False, fingerprint: bytes = bytes(FINGERPRINT_BYTES)) -> None:
         """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view per host region;
-        ``fingerprint``: what the blocks' bytes depend on (:mod:`~.identity`)."""
+        ``fingerprint``: what the blocks' bytes depend on (:mod:`~kvoffload_hal.tiers.identity`)."""
         self.views = list(host_views)
         self.payload_bytes = sum(v.shape[1] for v in self.views)
         self.format = BlockValueFormat(MAGIC, FORMAT_VERSION, fingerprint, self.payload_bytes)
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self._dir = TierDir(root, rank)  # new, private, locked while this tier runs
         self.root = self._dir.path
-        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvoffload-disk")
-        self._jobs: dict[int, list[Future]] = {}
+        super().__init__()
 
-    # ------------------------------------------------------------- the ABC
-    def submit_store(self, job_id: int, items: Sequence[TierItem]) -> None:
-        self._jobs[job_id] = [self._pool.submit(self._write, k, b) for k, b in items]
+    # ------------------------------------------------------- PooledTier hooks
+    def _store_batch(self, items: list[TierItem]) -> Iterable[BlockKey]:
+        return [k for k, b in items if self._write(k, b) is not None]
 
-    def submit_load(self, job_id: int, items: Sequence[TierItem]) -> None:
-        self._jobs[job_id] = [self._pool.submit(self._read, k, b) for k, b in items]
+    def _load_batch(self, items: list[TierItem]) -> Iterable[BlockKey]:
+        return [k for k, b in items if self._read(k, b) is not None]
 
-    def poll(self) -> list[TierJobResult]:
-        results = []
-        for job_id in [j for j, fs in self._jobs.items() if all(f.done() for f in fs)]:
-            failed = tuple(k for f in self._jobs.pop(job_id) if (k := f.result()) is not None)
-            results.append(TierJobResult(job_id, failed))
-        return results
-
-    def evict(self, keys: Iterable[BlockKey]) -> None:
+    def _forget(self, keys: list[BlockKey]) -> None:
         for key in keys:
-            self._pool.submit(_unlink, self._path(key))
+            self._in_background(_unlink, self._path(key))
 
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
-        """Cancel queued IO and wait at most ``timeout_s`` for IO in progress: a
-        hung mount must not hang the engine's exit. True when no IO still runs."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        running = [f for fs in self._jobs.values() for f in fs]
-        _, not_done = futures_wait(running, timeout=timeout_s)
-        if not_done:
-            logger.warning("disk tier: %d block IO(s) still running after %.0f s at shutdown",
-                           len(not_done), timeout_s)
-            self._dir.close(remove=False)
-            return False
-        self._dir.close(remove=True)
-        return True
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._jobs)
+    def _close(self, idle: bool) -> None:
+        # The directory goes only when no IO can still write into it.
+        self._dir.close(remove=idle)
 
     # ------------------------------------------------------------ file IO
     def _path(self, key: BlockKey) -> str:

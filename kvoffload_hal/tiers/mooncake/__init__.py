@@ -1,1 +1,56 @@
-"""The Mooncake Store tier, shared by every instance."""
+"""The Mooncake Store tier, shared by every instance: its keys, and both halves.
+
+Its keys are documented in :mod:`kvoffload_hal.tiers.mooncake.config`. The
+scheduler half is a :class:`~kvoffload_hal.tiers.scheduler_shared.SharedTierCascade`
+(what this instance knows the store holds, existence queries, bounded waits);
+the worker half is :class:`~kvoffload_hal.tiers.mooncake.worker.MooncakeTier`,
+one store client per rank. Models with one KV cache group only; instances find
+each other's blocks only with the same ``PYTHONHASHSEED``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_hal.tiers.mooncake.config import MOONCAKE_KEYS, MooncakeConfig, parse_mooncake
+from kvoffload_hal.tiers.spec import SchedulerTierContext, TierSpec, WorkerTierContext
+
+if TYPE_CHECKING:
+    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
+    from kvoffload_hal.tiers.worker_tier import SecondaryTier
+
+# Keys the scheduler remembers the store holds. Not the store's capacity (the
+# master evicts by itself): past it, the least recently used are forgotten and
+# asked for again when needed.
+KNOWN_KEYS = 1 << 16
+
+
+class MooncakeTierSpec(TierSpec):
+    name = "mooncake"
+    switch_key = "mooncake_master"
+    keys = MOONCAKE_KEYS
+    shared_across_instances = True
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        self.config = config
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> MooncakeTierSpec | None:
+        config = parse_mooncake(extra)
+        return None if config is None else cls(config)
+
+    def scheduler_half(self, ctx: SchedulerTierContext) -> NullCascade:
+        """No tier (with one warning) when the master cannot be reached."""
+        from kvoffload_hal.tiers.mooncake.client import tier_available
+        from kvoffload_hal.tiers.scheduler_cascade import NullCascade
+        from kvoffload_hal.tiers.scheduler_shared import SharedTierCascade, SharedTierIndex
+
+        if not tier_available(self.config, "scheduler"):
+            return NullCascade()
+        return SharedTierCascade(SharedTierIndex(KNOWN_KEYS), ctx.cpu, ctx.world_size,
+                                 ctx.stats, self.config.timeout_s)
+
+    def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:
+        from kvoffload_hal.tiers.mooncake.worker import open_mooncake_tier
+
+        return open_mooncake_tier(self.config, ctx.host_buffer, ctx.host_views, ctx.fingerprint)

@@ -23,8 +23,8 @@ key                             default          meaning
                                                  tier, with one warning
 ==============================  ===============  ============================================
 
-The Mooncake tier replaces the disk tier: setting both ``disk_path`` and
-``mooncake_master`` is refused.
+One secondary tier runs at a time: setting both ``disk_path`` and
+``mooncake_master`` is refused (:mod:`kvoffload_hal.tiers.registry`).
 """
 
 from __future__ import annotations
@@ -89,10 +89,6 @@ def parse_mooncake(extra: dict[str, Any]) -> MooncakeConfig | None:
                              "'mooncake_master' is not: expected both for a Mooncake tier")
         return None
     host, _ = parse_address("mooncake_master", master)
-    if extra.get("disk_path") is not None:
-        raise ValueError("kv_connector_extra_config sets both 'disk_path' and "
-                         "'mooncake_master': expected one secondary tier (the disk tier or "
-                         "the Mooncake tier), not both")
     protocol = one_of("mooncake_protocol", extra.get("mooncake_protocol", "tcp"), PROTOCOLS)
     if "mooncake_local_hostname" in extra:
         local = text("mooncake_local_hostname", extra["mooncake_local_hostname"])

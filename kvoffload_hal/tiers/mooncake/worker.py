@@ -31,10 +31,7 @@ reused block.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -50,6 +47,7 @@ from kvoffload_hal.tiers.mooncake.client import (
     register,
     tier_available,
 )
+from kvoffload_hal.tiers.worker_pool import PooledTier
 from kvoffload_hal.tiers.worker_tier import BlockKey, SecondaryTier, TierItem, TierJobResult
 
 if TYPE_CHECKING:
@@ -63,12 +61,12 @@ FORMAT_VERSION = 1
 # hex of vLLM's block hash with a group id (about 72 characters).
 HEADER_SLOT_BYTES = 256
 MAX_KEY_BYTES = HEADER_SLOT_BYTES - HEADER.size
-BATCH_KEYS = 64  # keys per client call: one RPC round trip carries many blocks
-IO_THREADS = 2
 
 
-class MooncakeTier(SecondaryTier):
+class MooncakeTier(PooledTier):
     name = "mooncake"
+    label = "Mooncake tier"
+    batch_items = 64  # keys per client call: one RPC round trip carries many blocks
 
     def __init__(self, client: Any, host_buffer: torch.Tensor,
                  host_views: Sequence[torch.Tensor], fingerprint: bytes) -> None:
@@ -84,53 +82,29 @@ class MooncakeTier(SecondaryTier):
         self._registered = [host_buffer.data_ptr(), self._headers.data_ptr()]
         register(client, host_buffer.data_ptr(), host_buffer.numel(), "CPU tier's host buffer")
         register(client, self._headers.data_ptr(), self._headers.numel(), "header area")
-        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvoffload-mooncake")
-        self._jobs: dict[int, list[Future]] = {}
+        super().__init__()
 
-    # ------------------------------------------------------------- the ABC
-    def submit_store(self, job_id: int, items: Sequence[TierItem]) -> None:
-        self._jobs[job_id] = self._submit(self._put_batch, items)
+    # ------------------------------------------------------- PooledTier hooks
+    # evict: nothing to delete, other instances may read these objects; the
+    # master evicts by itself when the pool is full.
 
-    def submit_load(self, job_id: int, items: Sequence[TierItem]) -> None:
-        self._jobs[job_id] = self._submit(self._get_batch, items)
+    def _store_batch(self, items: list[TierItem]) -> list[BlockKey]:
+        return self._put_batch(items)
 
-    def submit_probe(self, job_id: int, keys: Sequence[BlockKey]) -> None:
-        self._jobs[job_id] = self._submit(self._exist_batch, [(k, -1) for k in keys])
+    def _load_batch(self, items: list[TierItem]) -> list[BlockKey]:
+        return self._get_batch(items)
 
-    def poll(self) -> list[TierJobResult]:
-        results = []
-        for job_id in [j for j, fs in self._jobs.items() if all(f.done() for f in fs)]:
-            failed = tuple(k for f in self._jobs.pop(job_id) for k in f.result())
-            results.append(TierJobResult(job_id, failed))
-        return results
+    def _probe_batch(self, items: list[TierItem]) -> list[BlockKey]:
+        return self._exist_batch(items)
 
-    def evict(self, keys: Iterable[BlockKey]) -> None:
-        """Nothing to delete: other instances may read these objects; the
-        master evicts by itself when the pool is full."""
-
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        running = [f for fs in self._jobs.values() for f in fs]
-        _, not_done = futures_wait(running, timeout=timeout_s)
-        if not_done:
-            logger.warning("Mooncake tier: %d call(s) still running after %.0f s at shutdown",
-                           len(not_done), timeout_s)
-            return False
+    def _close(self, idle: bool) -> None:
+        if not idle:
+            return  # a call still runs: the client and its buffers stay
         for ptr in self._registered:
             self.client.unregister_buffer(ptr)
         self.client.close()
-        return True
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._jobs)
 
     # ----------------------------------------------------------- the calls
-    def _submit(self, call, items: Sequence[TierItem]) -> list[Future]:
-        items = list(items)
-        return [self._pool.submit(_guarded, call, items[i:i + BATCH_KEYS])
-                for i in range(0, len(items), BATCH_KEYS)]
-
     def store_key(self, key: BlockKey) -> str:
         return self.prefix + key
 
@@ -196,17 +170,6 @@ class MooncakeTier(SecondaryTier):
         return key
 
 
-def _guarded(call, items: list[TierItem]) -> list[BlockKey]:
-    """Run one client call; any exception fails its keys (recomputed), never the step."""
-    try:
-        return call(items)
-    except Exception as e:  # noqa: BLE001 - any fault fails the keys, never the step
-        log_once(logger, logging.WARNING, "Mooncake tier: a call failed with %s; its blocks "
-                 "are recomputed", type(e).__name__)
-        logger.debug("Mooncake tier: call failed: %r", e)
-        return [k for k, _ in items]
-
-
 class UnavailableTier(SecondaryTier):
     """A Mooncake tier that could not start in this worker: every job fails at
     once (its blocks are recomputed), every existence query answers "missing"."""
@@ -238,10 +201,6 @@ def open_mooncake_tier(cfg: MooncakeConfig, host_buffer: torch.Tensor,
     when the master cannot be reached or the client cannot start."""
     if not tier_available(cfg, "worker"):
         return UnavailableTier()
-    if os.environ.get("PYTHONHASHSEED") is None:
-        logger.warning("Mooncake tier: PYTHONHASHSEED is not set, so vLLM's block hashes "
-                       "differ per process: other instances will not find this one's "
-                       "blocks (set the same PYTHONHASHSEED on every instance)")
     client = None
     try:
         client = connect(cfg)

@@ -8,10 +8,10 @@ MASTER = {"mooncake_master": "127.0.0.1:50051"}
 
 
 def test_defaults_and_values_are_parsed():
-    assert OffloadConfig.from_extra_config({}).mooncake is None
+    assert OffloadConfig.from_extra_config({}).tier is None
     cfg = OffloadConfig.from_extra_config({
         **MASTER, "mooncake_protocol": "rdma", "mooncake_segment_bytes": 1 << 20,
-        "mooncake_timeout_s": 0.5, "mooncake_required": True}).mooncake
+        "mooncake_timeout_s": 0.5, "mooncake_required": True}).tier.config
     assert cfg.master_host_port == ("127.0.0.1", 50051) and cfg.protocol == "rdma"
     assert cfg.local_hostname == "127.0.0.1" and cfg.segment_bytes == 1 << 20
     assert cfg.timeout_s == 0.5 and cfg.required

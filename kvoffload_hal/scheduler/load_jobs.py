@@ -1,0 +1,191 @@
+"""CPU->device load jobs, from a CPU hit to its release.
+
+A load goes through four states:
+
+1. **held**: ``get_num_new_matched_tokens`` found a CPU hit and pinned it, so
+   eviction cannot take it before vLLM allocates the request's device blocks;
+2. **planned**: ``update_state_after_alloc`` took the prefix vLLM accepted, and
+   pinned those CPU blocks and the device blocks they are copied into;
+3. **sent**: the step's planned loads become one job in the metadata;
+4. **over**: an asynchronous load is over when the workers report its requests
+   in ``finished_recving``; a synchronous one when every rank reported its job.
+   A successful load counts as a CPU-tier use; a failed one drops the CPU
+   copies (a retry would fail the same way). Both pins go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from vllm.utils.math_utils import cdiv
+
+from kvoffload_hal.metadata import JobReport, LoadSpec
+from kvoffload_hal.scheduler.cpu_tier import Hit, pin_ids, unpin_ids
+from kvoffload_hal.scheduler.jobs import JobBook
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+
+
+@dataclass
+class _Load:
+    """A CPU->device copy for one request; both block lists stay pinned until it ends."""
+
+    gpu_ids: list[int]
+    cpu_ids: list[int]
+    num_tokens: int
+    job_id: int | None = None  # None until sent to the workers
+
+
+class _PendingHit(NamedTuple):
+    """A CPU hit found by a lookup, pinned until the request's allocation."""
+
+    blocks: Hit
+    num_computed_tokens: int
+
+
+class LoadJobs:
+    def __init__(self, cpu: CpuTier, stats: StatsLedger, world_size: int,
+                 sync_loads: bool) -> None:
+        self.cpu = cpu
+        self.stats = stats
+        self.sync_loads = sync_loads
+        self.gpu_pool: BlockPool | None = None
+        self._pending_hits: dict[str, _PendingHit] = {}
+        self._loads: dict[str, _Load] = {}
+        # Synchronous jobs are reported by every rank; asynchronous ones per request.
+        self._jobs: JobBook[list[str]] = JobBook(world_size)
+
+    def bind(self, gpu_pool: BlockPool) -> None:
+        self.gpu_pool = gpu_pool
+
+    def in_flight(self, req_id: str) -> bool:
+        """A load for the request is planned or sent and not over."""
+        return req_id in self._loads
+
+    # --------------------------------------------------------------- hits
+    def hold_hit(self, req_id: str, hit: Hit, num_computed_tokens: int) -> None:
+        """Pin a hit until the allocation: eviction between the lookup and the
+        allocation must not take it away (the lookup/allocation race)."""
+        self.cpu.pin_hit(hit)
+        self._pending_hits[req_id] = _PendingHit(hit, num_computed_tokens)
+
+    def release_hit(self, req_id: str) -> None:
+        pending = self._pending_hits.pop(req_id, None)
+        if pending is not None:
+            self.cpu.unpin_hit(pending.blocks)
+
+    def plan(self, req_id: str, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """vLLM allocated the request's device blocks: plan the load of what it accepted."""
+        pending = self._pending_hits.pop(req_id, None)
+        if pending is None:
+            return
+        if num_external_tokens == 0:
+            self.cpu.unpin_hit(pending.blocks)
+            return
+        gpu_ids_by_group = blocks.get_block_ids()
+        gpu_ids: list[int] = []
+        taken: list[KVCacheBlock] = []
+        for g, group_hit in enumerate(pending.blocks):
+            bs = self.cpu.group_block_sizes[g]
+            # The scheduler may accept fewer tokens than offered: take the prefix.
+            first = pending.num_computed_tokens // bs
+            for i, cpu_block in enumerate(group_hit[:cdiv(num_external_tokens, bs)]):
+                if not cpu_block.is_null:
+                    gpu_ids.append(gpu_ids_by_group[g][first + i])
+                    taken.append(cpu_block)
+        self.cpu.pin(taken)
+        self.cpu.unpin_hit(pending.blocks)
+        # The request could be aborted mid-copy: keep its device blocks ours.
+        pin_ids(self._gpu_pool(), gpu_ids)
+        self._loads[req_id] = _Load(gpu_ids, [b.block_id for b in taken], num_external_tokens)
+
+    # --------------------------------------------------------- send, report
+    def take_job(self) -> LoadSpec | None:
+        """This step's planned loads as one job, or None."""
+        new_loads = [(r, ld) for r, ld in self._loads.items() if ld.job_id is None]
+        if not new_loads:
+            return None
+        req_ids = [r for r, _ in new_loads]
+        job = self._jobs.send(req_ids) if self.sync_loads else self._jobs.new_id()
+        cpu_blocks: list[int] = []
+        gpu_blocks: list[int] = []
+        for _, load in new_loads:
+            load.job_id = job
+            cpu_blocks += load.cpu_ids
+            gpu_blocks += load.gpu_ids
+        return LoadSpec(job, tuple(req_ids), cpu_blocks, gpu_blocks, self.sync_loads)
+
+    def on_transfer_results(self, output: KVConnectorOutput) -> None:
+        """Asynchronous loads that ended, as vLLM collected them from the workers."""
+        invalid = output.invalid_block_ids or set()
+        failed = getattr(output, "failed_recving", None) or set()  # vLLM >= 0.32
+        for req_id in output.finished_recving or ():
+            load = self._loads.pop(req_id, None)
+            if load is not None:
+                ok = req_id not in failed and not invalid.intersection(load.gpu_ids)
+                self._finish(load, ok)
+
+    def on_report(self, job: int, report: JobReport) -> None:
+        """A synchronous load job's report: the blocks stay pinned until every rank read them."""
+        done = self._jobs.report(job, report)
+        if done is None:
+            return
+        for req_id in done.payload:
+            # A failure was reported to vLLM as load errors by the workers.
+            self._finish(self._loads.pop(req_id), not done.tally.failed)
+
+    def _finish(self, load: _Load, ok: bool) -> None:
+        if ok:
+            self.stats.record_load(len(load.gpu_ids), load.num_tokens)
+            self.cpu.record_load(load.cpu_ids)
+        else:
+            # vLLM recomputes the request's KV. Stop offering this copy, or the
+            # retry would hit it and fail the same way again.
+            self.cpu.drop(load.cpu_ids)
+        self._release(load)
+
+    def _release(self, load: _Load) -> None:
+        self.cpu.unpin_ids(load.cpu_ids)
+        unpin_ids(self._gpu_pool(), load.gpu_ids)
+
+    # ------------------------------------------------------------ finishing
+    def request_finished(self, req_id: str) -> bool:
+        """True while vLLM must keep the request: an asynchronous load of it is in flight."""
+        self.release_hit(req_id)
+        load = self._loads.get(req_id)
+        if load is None:
+            return False
+        if load.job_id is None:
+            del self._loads[req_id]  # never sent to a worker: nothing in flight
+            self._release(load)
+            return False
+        # A synchronous load was done before the forward pass that used it; its
+        # pins go when the job's reports arrive. An asynchronous one in flight
+        # will still be reported in finished_recving: vLLM must keep the request
+        # (and free its blocks) until then.
+        return not self.sync_loads
+
+    def reset(self) -> None:
+        """Release every hit waiting for an allocation; loads in flight run to their end."""
+        for req_id in list(self._pending_hits):
+            self.release_hit(req_id)
+
+    def has_pending(self) -> bool:
+        return bool(self._loads)
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        """Jobs sent to the workers and not over."""
+        return len({ld.job_id for ld in self._loads.values() if ld.job_id is not None})
+
+    def _gpu_pool(self) -> BlockPool:
+        assert self.gpu_pool is not None, "bind() was not called"
+        return self.gpu_pool

@@ -1,0 +1,128 @@
+"""Secondary tiers by name: the built-ins, and third-party tiers by entry point.
+
+A tier is a :class:`~kvoffload_hal.tiers.spec.TierSpec` subclass. The
+built-ins are ``disk`` and ``mooncake``; another package adds one through the
+entry-point group ``kvoffload_hal.tiers`` (``name = "pkg.module:SpecClass"``) or
+at run time with :func:`register_tier`. Spec modules are imported when the
+configuration is read, so they import neither vLLM's engine nor a device
+runtime at module level (the halves do, when built).
+
+At most one secondary tier runs behind the CPU tier: a configuration that turns
+on two is refused, naming both switch keys.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_hal.logger import init_logger
+from kvoffload_hal.tiers.spec import TierSpec
+
+if TYPE_CHECKING:
+    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
+    from kvoffload_hal.tiers.spec import SchedulerTierContext, WorkerTierContext
+    from kvoffload_hal.tiers.worker_tier import SecondaryTier
+
+logger = init_logger(__name__)
+
+ENTRY_POINT_GROUP = "kvoffload_hal.tiers"
+
+_BUILTIN: dict[str, str] = {
+    "disk": "kvoffload_hal.tiers.disk:DiskTierSpec",
+    "mooncake": "kvoffload_hal.tiers.mooncake:MooncakeTierSpec",
+}
+_registered: dict[str, str] = {}
+
+
+class TierSelectionError(RuntimeError):
+    """A registered tier cannot be loaded. The message is one line."""
+
+
+def register_tier(name: str, target: str) -> None:
+    """Register ``name`` -> ``"module:SpecClass"`` (a :class:`TierSpec` subclass)."""
+    if name in _BUILTIN:
+        raise ValueError(f"tier name {name!r} is reserved")
+    if ":" not in target:
+        raise ValueError(f"tier target {target!r} must look like 'package.module:SpecClass'")
+    _registered[name] = target
+
+
+def unregister_tier(name: str) -> None:
+    _registered.pop(name, None)
+
+
+def tier_targets() -> dict[str, str]:
+    """Every tier's ``"module:SpecClass"``, built-ins first."""
+    found = dict(_BUILTIN)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep.value)
+    for name, target in _registered.items():
+        found.setdefault(name, target)
+    return found
+
+
+def spec_class(name: str, target: str) -> type[TierSpec]:
+    module_name, _, class_name = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise TierSelectionError(f"tier {name!r} ({target}) cannot be imported: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, TierSpec)):
+        raise TierSelectionError(f"tier {name!r} ({target}) is not a TierSpec subclass")
+    return cls
+
+
+def spec_classes() -> list[type[TierSpec]]:
+    return [spec_class(name, target) for name, target in tier_targets().items()]
+
+
+def tier_keys() -> tuple[str, ...]:
+    """Every key some tier owns in ``kv_connector_extra_config``."""
+    return tuple(key for cls in spec_classes() for key in cls.keys)
+
+
+def parse_tier(extra: dict[str, Any]) -> TierSpec | None:
+    """The secondary tier ``extra`` turns on, validated; None when it turns on none."""
+    specs = [spec for cls in spec_classes() if (spec := cls.from_extra_config(extra))]
+    if len(specs) > 1:
+        a, b = specs[:2]
+        raise ValueError(
+            f"kv_connector_extra_config sets both '{a.switch_key}' and '{b.switch_key}': "
+            f"expected one secondary tier (the {a.name} tier or the {b.name} tier), not both")
+    return specs[0] if specs else None
+
+
+def tier_runs(spec: TierSpec | None, num_groups: int) -> bool:
+    """The configured tier runs for a model with ``num_groups`` KV cache groups."""
+    return spec is not None and (num_groups == 1 or not spec.one_group_only)
+
+
+def build_scheduler_half(spec: TierSpec | None, runs: bool,
+                         ctx: SchedulerTierContext) -> NullCascade:
+    """``spec``'s scheduler half, or the do-nothing one (with one warning when the
+    model keeps a configured tier off)."""
+    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
+
+    if spec is None:
+        return NullCascade()
+    if not runs:
+        logger.warning("HALOffloadConnector: the %s tier supports models with one KV cache "
+                       "group; it is disabled for this model", spec.name)
+        return NullCascade()
+    return spec.scheduler_half(ctx)
+
+
+def build_worker_half(spec: TierSpec | None, runs: bool,
+                      ctx: WorkerTierContext) -> SecondaryTier:
+    from kvoffload_hal.tiers.worker_tier import NullTier
+
+    if spec is None or not runs:
+        return NullTier()
+    if spec.shared_across_instances and os.environ.get("PYTHONHASHSEED") is None:
+        logger.warning("the %s tier: PYTHONHASHSEED is not set, so vLLM's block hashes "
+                       "differ per process: other instances will not find this one's "
+                       "blocks (set the same PYTHONHASHSEED on every instance)", spec.name)
+    return spec.worker_half(ctx)
