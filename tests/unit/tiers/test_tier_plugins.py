@@ -1,0 +1,99 @@
+"""Tiers are plug-ins: found by the registry, built from their spec, never named by the core.
+
+``support.memory_tier`` is a whole tier written outside the package; these
+tests plug it in by the entry point a third-party package would declare and by
+``register_tier``, and run it in an engine.
+"""
+
+import logging
+import random
+
+import pytest
+
+from kvoffload_hal.config import OffloadConfig
+from kvoffload_hal.tiers import registry
+from support.memory_tier import ENTRY_POINT, MemoryTier
+
+BS = 16
+
+
+@pytest.fixture
+def memory_tier():
+    registry.register_tier("memory", ENTRY_POINT)
+    yield
+    registry.unregister_tier("memory")
+
+
+def _install_entry_point(tmp_path, monkeypatch, name, target):
+    """A distribution on sys.path that declares ``name`` in the tiers' entry-point group."""
+    dist = tmp_path / "memtier-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: memtier\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\n{name} = {target}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_an_entry_point_tier_is_found_with_its_keys(tmp_path, monkeypatch, caplog):
+    assert "memory_tier_blocks" not in registry.tier_keys()
+    _install_entry_point(tmp_path, monkeypatch, "memory", ENTRY_POINT)
+    assert registry.tier_targets()["memory"] == ENTRY_POINT
+    with caplog.at_level(logging.WARNING):
+        config = OffloadConfig.from_extra_config({"memory_tier_blocks": 8})
+    assert config.tier.name == "memory" and config.tier.blocks == 8
+    assert not any("unknown key" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tier_validates_its_own_keys(memory_tier):
+    with pytest.raises(ValueError, match=r"\['memory_tier_blocks'\]=0"):
+        OffloadConfig.from_extra_config({"memory_tier_blocks": 0})
+
+
+def test_two_tiers_at_once_are_refused_naming_both_keys(memory_tier, tmp_path):
+    with pytest.raises(ValueError) as e:
+        OffloadConfig.from_extra_config({"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20,
+                                         "memory_tier_blocks": 8})
+    assert str(e.value) == (
+        "kv_connector_extra_config sets both 'disk_path' and 'memory_tier_blocks': expected one "
+        "secondary tier (the disk tier or the memory tier), not both")
+
+
+@pytest.mark.parametrize("target, why", [
+    ("support.no_such_module:Spec", "cannot be imported"),
+    ("support.memory_tier:MemoryTier", "is not a TierSpec subclass"),
+])
+def test_a_broken_plug_in_fails_with_its_name(target, why):
+    registry.register_tier("broken", target)
+    try:
+        with pytest.raises(registry.TierSelectionError, match=f"tier 'broken' .*{why}"):
+            OffloadConfig.from_extra_config({})
+    finally:
+        registry.unregister_tier("broken")
+
+
+def test_built_in_names_are_reserved():
+    with pytest.raises(ValueError, match="reserved"):
+        registry.register_tier("disk", ENTRY_POINT)
+
+
+def test_a_plugged_in_tier_serves_hits_in_an_engine(make_engine, memory_tier):
+    """Prefixes the CPU tier dropped come back from the plug-in, checked by the fake model."""
+    engine = make_engine(cpu_blocks=12, extra_config={"memory_tier_blocks": 200})
+    tier = engine.worker.worker.tier
+    assert isinstance(tier, MemoryTier)
+    rng = random.Random(0)
+    docs = [[rng.randrange(1, 90) for _ in range(80)] for _ in range(6)]  # 30 blocks
+    for p in range(2):
+        for i, doc in enumerate(docs):
+            engine.add(f"{p}-{i}", doc + [p])
+            engine.run_until_done()
+            engine.drain()
+    assert len(tier.values) == 30  # every block written through
+    assert tier.reads >= 6 * 5 - 12  # at least what the CPU tier had to drop
+    assert engine.offload.totals.data["cpu_hit_tokens"] == 6 * 80
+    engine.assert_idle()
+
+
+def test_a_model_the_tier_does_not_support_runs_without_it(memory_tier):
+    spec = OffloadConfig.from_extra_config({"memory_tier_blocks": 8}).tier
+    assert registry.tier_runs(spec, 1) and not registry.tier_runs(spec, 2)
+    assert not registry.tier_runs(None, 1)
