@@ -34,16 +34,10 @@ import os
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from scheduler_overhead_report import (
-    OURS,
-    TIMED,
-    format_eviction_table,
-    format_table,
-    write_plot,
-)
+from scheduler_overhead_points import OURS, TIMED, UPSTREAM, Point
+from scheduler_overhead_report import format_eviction_table, format_table, write_plot
 
 from kvoffload_hal.demo.inprocess import set_inprocess_env
 from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
@@ -61,28 +55,9 @@ DEVICE_FRACTION = 0.5  # of the blocks the live requests need: forces evictions 
 SAMPLED_TOKEN = 7
 
 CONNECTORS = {
-    "HALOffloadConnector": dict(kv_connector="HALOffloadConnector",
-                                kv_connector_module_path="kvoffload_hal.connector"),
-    "SimpleCPUOffloadConnector": dict(kv_connector="SimpleCPUOffloadConnector"),
+    OURS: dict(kv_connector=OURS, kv_connector_module_path="kvoffload_hal.connector"),
+    UPSTREAM: dict(kv_connector=UPSTREAM),
 }
-
-@dataclass
-class Point:
-    connector: str
-    cpu_blocks: int
-    live_requests: int
-    steps: int
-    connector_s: dict[str, float]
-    calls: dict[str, int]
-    loads: int = 0  # requests whose prefix came from the CPU tier
-    stores: int = 0  # store jobs completed
-    preemptions: int = 0
-    finished: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def us_per_step(self) -> float:
-        return sum(self.connector_s.values()) / self.steps * 1e6
 
 
 class Timer:

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from scheduler_overhead import Point
+from scheduler_overhead_points import OURS, TIMED, UPSTREAM, Point
 
-OURS, UPSTREAM = "HALOffloadConnector", "SimpleCPUOffloadConnector"
-TIMED = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "request_finished_all_groups",
-         "take_events", "get_kv_connector_stats")
 TARGET_RATIO = 0.5  # ours / upstream, at every point
 
 
 def format_table(points: list[Point]) -> str:
-    ours = {(p.cpu_blocks, p.live_requests): p for p in points
-            if p.connector == "HALOffloadConnector"}
-    theirs = {(p.cpu_blocks, p.live_requests): p for p in points
-              if p.connector == "SimpleCPUOffloadConnector"}
+    ours = {(p.cpu_blocks, p.live_requests): p for p in points if p.connector == OURS}
+    theirs = {(p.cpu_blocks, p.live_requests): p for p in points if p.connector == UPSTREAM}
     lines = ["| CPU blocks | live requests | ours µs/step | upstream µs/step | ours/upstream "
              "| target | CPU-tier loads | preemptions | finished |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -78,7 +70,7 @@ def write_plot(points: list[Point], path: Path) -> None:
     fig, axes = plt.subplots(1, len(cpu_blocks), figsize=(4 * len(cpu_blocks), 3.6),
                              sharey=True, squeeze=False)
     for ax, nb in zip(axes[0], cpu_blocks):
-        for name, style in (("HALOffloadConnector", "o-"), ("SimpleCPUOffloadConnector", "s--")):
+        for name, style in ((OURS, "o-"), (UPSTREAM, "s--")):
             rows = sorted((p for p in points if p.connector == name and p.cpu_blocks == nb),
                           key=lambda p: p.live_requests)
             ax.plot([p.live_requests for p in rows], [p.us_per_step for p in rows], style,
