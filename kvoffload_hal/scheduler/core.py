@@ -85,7 +85,8 @@ class OffloadScheduler:
         logger.info(
             "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores, "
             "%s loads", self.cpu.num_blocks, config.cpu_bytes_per_rank(self.world_size) / 2**30,
-            "lazy" if config.lazy_offload else "eager", "sync" if self.caps.sync_loads else "async",
+            "lazy" if isinstance(self.policy, LazyPolicy) else "eager",
+            "sync" if self.caps.sync_loads else "async",
         )
 
     @property
@@ -198,7 +199,19 @@ class OffloadScheduler:
 
 def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,
                  vllm_config: VllmConfig, cpu: CpuTier) -> StorePolicy:
-    if config.lazy_offload:
+    """Eager or lazy, as configured; lazy for a model whose state blocks eager
+    stores cannot take (they would never hit), said once at start-up."""
+    lazy = config.lazy_offload
+    if not lazy and cpu.unstable_groups:
+        names = sorted({type(kv_cache_config.kv_cache_groups[g].kv_cache_spec).__name__
+                        for g in cpu.unstable_groups})
+        logger.info("HALOffloadConnector: lazy stores for this model: KV cache group(s) %s "
+                    "(%s) replace their block at a position as a request runs (Mamba state "
+                    "in 'align' mode), so only blocks about to be evicted can be stored; "
+                    "eager stores would never hit them",
+                    ", ".join(map(str, cpu.unstable_groups)), ", ".join(names))
+        lazy = True
+    if lazy:
         return LazyPolicy(lazy_window_blocks(
             kv_cache_config, vllm_config.scheduler_config.max_num_batched_tokens))
     return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups)

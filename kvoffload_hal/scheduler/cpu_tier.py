@@ -87,11 +87,15 @@ class CpuTier:
         self._relabel_events = not hasattr(self.pool, "medium")
         self.pool.medium = MEDIUM_CPU
         self.group_block_sizes: list[int] = list(vllm_compat.group_block_sizes(self.coordinator))
-        self.cacheable_groups = [
-            g for g in vllm_compat.prefix_cacheable_group_ids(config)
-            if getattr(self.coordinator.single_type_managers[g],
-                       "has_positionally_stable_blocks", True)
-        ]
+        cacheable = vllm_compat.prefix_cacheable_group_ids(config)
+        # A group whose block at a position is replaced as the request runs
+        # (Mamba state in 'align' mode) holds a block's bytes only until the
+        # next step: eager stores cannot take it, lazy ones can (see scheduler).
+        self.unstable_groups = [
+            g for g in cacheable
+            if not getattr(self.coordinator.single_type_managers[g],
+                           "has_positionally_stable_blocks", True)]
+        self.cacheable_groups = [g for g in cacheable if g not in self.unstable_groups]
         # One full-attention group hashed at its own block size: a miss on the
         # first block asked for is a miss, and the lookup can stop at one dict
         # probe (most waiting requests, most steps).

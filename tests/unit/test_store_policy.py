@@ -1,5 +1,6 @@
 """Store policies on a real vLLM device ``BlockPool``: which blocks each one offers."""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -202,3 +203,27 @@ def test_eager_needs_the_device_pool_bound():
     policy.on_allocated(_request("r", computed=BS), 1)
     with pytest.raises(AssertionError, match="bind"):
         policy.select(_scheduled("r", ([1],)), BlockPicker(100, _everything))
+
+
+def test_a_model_with_align_mode_mamba_state_gets_lazy_stores_said_once(caplog):
+    """Eager stores never take a block its group replaces in place (align-mode Mamba
+    state): such a model is switched to lazy stores, with one line at start-up."""
+    from kvoffload_hal.config import OffloadConfig
+    from kvoffload_hal.scheduler.core import _make_policy
+
+    kw = dict(block_size=BS, num_kv_heads=1, head_size=32, dtype=torch.bfloat16)
+    config = _config(FullAttentionSpec(**kw),
+                     MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,)))
+    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=512))
+    eager = OffloadConfig.from_extra_config({})
+
+    def cpu(unstable):
+        return SimpleNamespace(unstable_groups=unstable, group_block_sizes=[BS, BS],
+                               cacheable_groups=[g for g in (0, 1) if g not in unstable])
+
+    assert isinstance(_make_policy(eager, config, vllm_config, cpu([])), EagerPolicy)
+    assert not caplog.records
+    with caplog.at_level(logging.INFO):
+        assert isinstance(_make_policy(eager, config, vllm_config, cpu([1])), LazyPolicy)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "lazy stores for this model" in said[0] and "MambaSpec" in said[0]
