@@ -61,6 +61,6 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
         sync_loads = synchronous_compute and single_group
     else:
         sync_loads = config.load_mode == "sync"
-    runs = tier_runs(config.tier, num_groups)
+    runs = tier_runs(config.tier, kv_cache_config)
     return Capabilities(single_group, synchronous_compute, sync_loads,
                         tier=config.tier.name if runs else None)

@@ -96,6 +96,11 @@ class CpuTier:
             if not getattr(self.coordinator.single_type_managers[g],
                            "has_positionally_stable_blocks", True)]
         self.cacheable_groups = [g for g in cacheable if g not in self.unstable_groups]
+        self.prefix_groups = list(cacheable)
+        # Groups whose hit needs every block before its end (full attention,
+        # MLA); the others need some (a window, the state at the end).
+        self.dense_groups = [g for g in cacheable if isinstance(
+            config.kv_cache_groups[g].kv_cache_spec, FullAttentionSpec)]
         # One full-attention group hashed at its own block size: a miss on the
         # first block asked for is a miss, and the lookup can stop at one dict
         # probe (most waiting requests, most steps).
@@ -118,6 +123,11 @@ class CpuTier:
     def holds(self, block_hash: Any) -> bool:
         """Whether a block is published under ``block_hash`` (hash with group id)."""
         return self._hash_map.get_one_block(block_hash) is not None
+
+    def cached(self, block_hashes: Iterable[Any]) -> list[KVCacheBlock]:
+        """The blocks published under these hashes (those that are)."""
+        found = (self._hash_map.get_one_block(h) for h in block_hashes)
+        return [b for b in found if b is not None]
 
     # --------------------------------------------------------------- pins
     def pin(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -6,8 +6,9 @@ in any process). So a tier stores each block with the key *and* a
 fingerprint of everything else its bytes depend on, and a read checks both:
 
 * the model (path or name, revision, quantization) and its dtype;
-* the KV cache: dtype, block size and the layout of every KV tensor (its
-  dtype, its shape without the block count, the order of its strides);
+* the KV cache: dtype, block size, the layout of every KV tensor (its
+  dtype, its shape without the block count, the order of its strides) and
+  the KV cache groups (kind, block size, layers of each);
 * the parallel layout: TP and PP sizes and this worker's rank (each rank
   holds its own shard);
 * vLLM's block-hash function and its seed.
@@ -38,8 +39,15 @@ def kv_tensor_layout(tensor: torch.Tensor, num_blocks: int) -> tuple[str, tuple,
     return str(tensor.dtype), shape, stride_order
 
 
+def kv_group_layout(kv_cache_config: Any) -> list[tuple[str, int, int]]:
+    """Each KV cache group's kind, block size and layer count, in group order (the
+    group id is part of every block key, so the order names what a key holds)."""
+    return [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, len(g.layer_names))
+            for g in kv_cache_config.kv_cache_groups]
+
+
 def kv_fingerprint(vllm_config: VllmConfig, kv_tensors: Sequence[torch.Tensor],
-                   num_blocks: int, rank: int) -> bytes:
+                   num_blocks: int, rank: int, kv_cache_config: Any = None) -> bytes:
     """:data:`FINGERPRINT_BYTES` bytes naming what this worker's KV bytes depend on."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     parallel = vllm_config.parallel_config
@@ -51,6 +59,7 @@ def kv_fingerprint(vllm_config: VllmConfig, kv_tensors: Sequence[torch.Tensor],
         "kv_cache_dtype": getattr(cache, "cache_dtype", None),
         "block_size": getattr(cache, "block_size", None),
         "layout": [kv_tensor_layout(t, num_blocks) for t in kv_tensors],
+        "groups": None if kv_cache_config is None else kv_group_layout(kv_cache_config),
         "tensor_parallel_size": parallel.tensor_parallel_size,
         "pipeline_parallel_size": parallel.pipeline_parallel_size,
         "rank": rank,

@@ -95,9 +95,23 @@ def parse_tier(extra: dict[str, Any]) -> TierSpec | None:
     return specs[0] if specs else None
 
 
-def tier_runs(spec: TierSpec | None, num_groups: int) -> bool:
-    """The configured tier runs for a model with ``num_groups`` KV cache groups."""
-    return spec is not None and (num_groups == 1 or not spec.one_group_only)
+def why_tier_is_off(spec: TierSpec, kv_cache_config: Any) -> str | None:
+    """Why the configured tier cannot serve this model, or None when it can."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return None
+    if spec.one_group_only:
+        return f"the {spec.name} tier supports models with one KV cache group"
+    sizes = sorted({g.kv_cache_spec.block_size for g in groups})
+    if len(sizes) > 1:
+        return (f"the {spec.name} tier keeps blocks of one size, and this model's KV cache "
+                f"groups have blocks of {', '.join(map(str, sizes))} tokens")
+    return None
+
+
+def tier_runs(spec: TierSpec | None, kv_cache_config: Any) -> bool:
+    """The configured tier runs for this model."""
+    return spec is not None and why_tier_is_off(spec, kv_cache_config) is None
 
 
 def build_scheduler_half(spec: TierSpec | None, runs: bool,
@@ -109,8 +123,8 @@ def build_scheduler_half(spec: TierSpec | None, runs: bool,
     if spec is None:
         return NullCascade()
     if not runs:
-        logger.warning("HALOffloadConnector: the %s tier supports models with one KV cache "
-                       "group; it is disabled for this model", spec.name)
+        logger.warning("HALOffloadConnector: %s; it is disabled for this model",
+                       why_tier_is_off(spec, ctx.kv_cache_config))
         return NullCascade()
     return spec.scheduler_half(ctx)
 

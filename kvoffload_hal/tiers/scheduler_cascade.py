@@ -11,7 +11,9 @@
   request is told to ask again later (``None``) so the engine step does not
   wait. Once every rank read its blocks, they are published in the CPU prefix
   cache and kept referenced for that request; its next lookup finds a longer
-  CPU hit and loads it to the device as usual.
+  CPU hit and loads it to the device as usual. A model with several KV cache
+  groups promotes every group's entries of the run
+  (:mod:`~kvoffload_hal.tiers.scheduler_groups`).
 * **Integrity.** A key that failed to read (missing, torn, corrupted) is dropped
   from the index; blocks after it in the request are not published, and the
   request stops promoting (it recomputes instead).
@@ -22,10 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import JobBook, RankTally
+from kvoffload_hal.tiers.scheduler_groups import GroupKeys
 from kvoffload_hal.tiers.scheduler_index import TierIndex
 from kvoffload_hal.tiers.worker_tier import BlockKey
 
@@ -101,6 +102,7 @@ class TierCascade(NullCascade):
         self._promoting: dict[str, _TierJob] = {}
         self._promoted: dict[str, list[KVCacheBlock]] = {}
         self._no_promotion: set[str] = set()
+        self.groups = GroupKeys.of(cpu)
 
     # --------------------------------------------------------------- spill
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
@@ -135,15 +137,20 @@ class TierCascade(NullCascade):
             return True
         if req_id in self._no_promotion:
             return False
-        hashes = [make_block_hash_with_group_id(h, 0)
-                  for h in request.block_hashes[first_block:end_block]]
-        keys = [h.hex() for h in hashes]
-        n = min(self.index.ready_run(keys), self.cpu.num_free_blocks())
-        if n <= 0:
-            return False
-        keys, hashes = keys[:n], hashes[:n]
-        self.index.pin(keys)
-        job = _TierJob(True, keys, self.cpu.allocate(n), hashes, req_id)
+        positions = request.block_hashes[first_block:end_block]
+        # Blocks of the run already in the CPU tier stay there while room is made.
+        held = self.cpu.cached(h for bh in positions for _, h in self.groups.at(bh))
+        self.cpu.pin(held)
+        try:
+            chosen = self.groups.plan(positions, self.index.is_ready, self.cpu.holds,
+                                      self.cpu.num_free_blocks())
+            if not chosen:
+                return False
+            keys, hashes = (list(x) for x in zip(*chosen))
+            self.index.pin(keys)
+            job = _TierJob(True, keys, self.cpu.allocate(len(keys)), hashes, req_id)
+        finally:
+            self.cpu.unpin(held)
         self._queued.append(job)
         self._promoting[req_id] = job
         return True

@@ -1,6 +1,6 @@
 """Scheduler side of a tier shared by every instance (Mooncake Store).
 
-A local tier's :class:`~kvoffload_hal.tiers.worker_tier.TierIndex` knows everything
+A local tier's :class:`~kvoffload_hal.tiers.scheduler_index.TierIndex` knows everything
 the tier holds: only this instance writes it. A shared store also holds what
 other instances wrote, and loses objects the master evicts. So:
 
@@ -12,8 +12,8 @@ other instances wrote, and loses objects the master evicts. So:
   and the index knows nothing of the next blocks: it queues an **existence
   query** (a probe job, run by the workers, which hold the store clients; the
   scheduler never touches the network) and tells the request to ask again.
-  When every rank answered, the leading run of keys present on all ranks is
-  learned and promoted as for any tier.
+  When every rank answered, the keys present on all ranks are learned (every
+  group's, for a model with several) and promoted as for any tier.
 * Every wait is bounded: a request whose probe or promotion is older than
   ``mooncake_timeout_s`` stops waiting and recomputes (counted in
   ``mooncake_timeouts``). A promotion it stopped waiting for keeps its CPU
@@ -24,11 +24,9 @@ other instances wrote, and loses objects the master evicts. So:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import RankTally
@@ -98,8 +96,7 @@ class SharedTierCascade(TierCascade):
                 return True
             del self._probes[req_id]
             return self._give_up(req_id)
-        keys = [make_block_hash_with_group_id(h, 0).hex()
-                for h in request.block_hashes[first_block:end_block]]
+        keys = self.groups.keys(request.block_hashes[first_block:end_block])
         if probe is None and keys and not self.index.ready_run(keys):
             self._probes[req_id] = _Probe(req_id, keys, now)
             return True  # ask the store (once per request); the request asks again later
@@ -143,7 +140,7 @@ class SharedTierCascade(TierCascade):
             return
         for probe in step.jobs:  # a block is readable when every rank holds its shard
             probe.missing.update(tally.failed_keys)
-            self.index.learn(_leading_run(probe.keys, probe.missing))
+            self.index.learn(k for k in probe.keys if k not in probe.missing)
             probe.answered = True
 
     def _record_moved(self, spilled: int, promoted: int) -> None:
@@ -160,12 +157,3 @@ class SharedTierCascade(TierCascade):
 
     def has_pending(self) -> bool:
         return super().has_pending() or any(p.job_id is None for p in self._probes.values())
-
-
-def _leading_run(keys: Sequence[BlockKey], missing: set[BlockKey]) -> list[BlockKey]:
-    run = []
-    for key in keys:
-        if key in missing:
-            break
-        run.append(key)
-    return run

@@ -72,6 +72,7 @@ class OffloadWorker:
         world_size = vllm_config.parallel_config.world_size
         self.caps = resolve_capabilities(kv_cache_config, config)
         self.num_gpu_blocks = kv_cache_config.num_blocks
+        self.kv_cache_config = kv_cache_config
         self.num_cpu_blocks = num_cpu_blocks(kv_cache_config, config.cpu_bytes_per_rank(world_size))
         self.config = config
         self.vllm_config = vllm_config
@@ -110,7 +111,8 @@ class OffloadWorker:
             self.tier = build_worker_half(self.config.tier, True, WorkerTierContext(
                 self.rank, self.world_size, self.host_buffer,
                 self._host_block_views(host_regions),
-                kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank)))
+                kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank,
+                               self.kv_cache_config)))
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB) on the %r backend",

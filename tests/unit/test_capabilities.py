@@ -10,8 +10,10 @@ from kvoffload_hal.config import OffloadConfig
 from support import backend_doubles  # noqa: F401 (registers the test backends)
 
 
-def _groups(n):
-    return SimpleNamespace(kv_cache_groups=[object()] * n)
+def _groups(n, block_sizes=None):
+    sizes = block_sizes or [16] * n
+    return SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=sizes[g])) for g in range(n)])
 
 
 def _caps(num_groups, backend="cpu", **extra):
@@ -56,11 +58,15 @@ def test_auto_loads_follow_the_backends_synchronous_compute():
 
 
 @hybrid
-def test_disk_tier_and_per_block_failures_need_one_group(tmp_path):
+def test_the_disk_tier_serves_several_groups_of_one_block_size(tmp_path):
     disk = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20}
     one, two = _caps(1, **disk), _caps(2, **disk)
     assert one.tier == "disk" and one.report_failed_blocks
-    assert two.tier is None and not two.report_failed_blocks
+    # One entry per (group, block); failed loads are reported per request.
+    assert two.tier == "disk" and not two.report_failed_blocks
+    config = OffloadConfig.from_extra_config(disk)
+    mixed = resolve_capabilities(_groups(2, [16, 32]), config, backend="cpu")
+    assert mixed.tier is None
     assert _caps(1).tier is None  # no disk_path
 
 

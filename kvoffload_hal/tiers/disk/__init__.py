@@ -15,7 +15,7 @@ The scheduler half is a :class:`~kvoffload_hal.tiers.scheduler_cascade.TierCasca
 over a :class:`~kvoffload_hal.tiers.scheduler_index.TierIndex` of
 ``disk_bytes_to_use / (TP x PP)`` bytes' worth of blocks; the worker half is
 :class:`~kvoffload_hal.tiers.disk.worker.DiskTier`, one private directory per
-rank. Models with one KV cache group only.
+rank. Models with several KV cache groups keep one file per (group, block).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ logger = init_logger(__name__)
 
 class DiskTierSpec(TierSpec):
     name = "disk"
+    one_group_only = False  # one entry per (group, block): tiers/scheduler_groups.py
     switch_key = "disk_path"
     keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct")
 

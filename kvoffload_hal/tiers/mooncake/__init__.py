@@ -4,7 +4,7 @@ Its keys are documented in :mod:`kvoffload_hal.tiers.mooncake.config`. The
 scheduler half is a :class:`~kvoffload_hal.tiers.scheduler_shared.SharedTierCascade`
 (what this instance knows the store holds, existence queries, bounded waits);
 the worker half is :class:`~kvoffload_hal.tiers.mooncake.worker.MooncakeTier`,
-one store client per rank. Models with one KV cache group only; instances find
+one store client per rank, one object per (group, block); instances find
 each other's blocks only with the same ``PYTHONHASHSEED``.
 """
 
@@ -27,6 +27,7 @@ KNOWN_KEYS = 1 << 16
 
 class MooncakeTierSpec(TierSpec):
     name = "mooncake"
+    one_group_only = False  # one entry per (group, block): tiers/scheduler_groups.py
     switch_key = "mooncake_master"
     keys = MOONCAKE_KEYS
     shared_across_instances = True

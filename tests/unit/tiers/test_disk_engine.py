@@ -101,3 +101,26 @@ def test_small_disk_tier_evicts_lru_and_stays_consistent(make_engine, tmp_path):
     files = sum(len(f) for _, _, f in os.walk(engine.worker.worker.tier.root))
     assert files <= 12 + 8 + 2  # evicted files are deleted (asynchronously); marker, lock
     engine.assert_idle()
+
+
+def test_a_model_with_a_sliding_window_group_gets_its_prefixes_back_from_disk(
+        make_engine, tmp_path):
+    """Two KV cache groups: one file per (group, block); a promotion brings back every
+    group's blocks of the run, and the fake model checks each block attention reads."""
+    from kvoffload_hal import vllm_compat
+
+    if not vllm_compat.REPORTS_FAILED_RECVING:
+        return  # several KV cache groups: see test_engine_roundtrip (refused on this vLLM)
+    engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=12,
+                         extra_config=_disk(tmp_path, 400))
+    assert engine.offload.caps.tier == "disk"
+    _sequential_passes(engine, _docs(6, 80))  # 30 blocks a group: the CPU tier holds 12
+    totals = engine.offload.totals.data
+    assert totals["blocks_to_disk"] == 2 * 30  # both groups' blocks written through
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    keys = engine.offload.cascade.index._entries
+    assert {get_group_id(bytes.fromhex(k)) for k in keys} == {0, 1}
+    assert totals["blocks_from_disk"] > 0
+    assert totals["cpu_hit_tokens"] >= 6 * 64  # most of each document came back
+    engine.assert_idle()

@@ -94,6 +94,18 @@ def test_a_plugged_in_tier_serves_hits_in_an_engine(make_engine, memory_tier):
 
 
 def test_a_model_the_tier_does_not_support_runs_without_it(memory_tier):
+    """A tier that declares nothing keeps to one KV cache group; the built-ins
+    serve several, as long as their blocks are of one size."""
+    from types import SimpleNamespace
+
+    def model(*block_sizes):
+        return SimpleNamespace(kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=bs)) for bs in block_sizes])
+
     spec = OffloadConfig.from_extra_config({"memory_tier_blocks": 8}).tier
-    assert registry.tier_runs(spec, 1) and not registry.tier_runs(spec, 2)
-    assert not registry.tier_runs(None, 1)
+    assert registry.tier_runs(spec, model(16)) and not registry.tier_runs(spec, model(16, 16))
+    assert registry.why_tier_is_off(spec, model(16, 16)) == (
+        "the memory tier supports models with one KV cache group")
+    disk = registry.spec_class("disk", registry.tier_targets()["disk"])("/tmp", 1)
+    assert registry.tier_runs(disk, model(16, 16)) and not registry.tier_runs(disk, model(16, 32))
+    assert not registry.tier_runs(None, model(16))
