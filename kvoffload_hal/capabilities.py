@@ -5,8 +5,10 @@ here from the KV cache config, the connector config and the selected copy
 backend (its class only: nothing is instantiated, no device is touched):
 
 * ``single_group``: the model has one KV cache group. vLLM maps block-level
-  load errors back to requests only then (block ids are per group), and the
-  disk tier and synchronous loads rely on that mapping.
+  load errors back to requests only then (block ids are per group), and
+  synchronous loads rely on that mapping.
+* ``load_recovery``: how vLLM learns of a failed load, so that it recomputes
+  instead of reading the blocks (see :data:`LOAD_RECOVERIES`).
 * ``synchronous_compute``: the backend's forward pass has finished when the
   worker submits a step's copies (vLLM's CPU platform), as the HAL states.
 * ``sync_loads``: ``load_mode`` resolved; ``tier``: the name of the secondary
@@ -26,6 +28,18 @@ from kvoffload_hal.tiers.registry import tier_runs
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+# How vLLM is kept from reading the blocks of a failed load:
+LOAD_RECOVERIES = {
+    "blocks": "the device blocks that failed are reported; vLLM recomputes from the first",
+    "requests": "the request is reported failed (KVConnectorOutput.failed_recving)",
+    # vLLM < 0.32 with several groups: its invalid-block path reads one group
+    # per request, and rewinding a request to its valid tokens is not safe
+    # (vLLM releases sliding-window and Mamba blocks behind the tokens it
+    # counts as computed), so the copy is tried again.
+    "retry": "the copy is tried again from the CPU blocks it holds; if it fails again the "
+             "engine stops with an error, before any block is read",
+}
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -33,6 +47,7 @@ class Capabilities:
     synchronous_compute: bool
     sync_loads: bool
     tier: str | None = None
+    load_recovery: str = "blocks"
 
     @property
     def secondary_tier(self) -> bool:
@@ -48,7 +63,6 @@ class Capabilities:
 def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
                          backend: str | None = None) -> Capabilities:
     """``backend``: a ``KVOFFLOAD_HAL_BACKEND`` value (default: the variable's)."""
-    vllm_compat.check_supported(kv_cache_config)
     num_groups = len(kv_cache_config.kv_cache_groups)
     single_group = num_groups == 1
     synchronous_compute = get_backend_class(backend).synchronous_compute
@@ -63,4 +77,12 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
         sync_loads = config.load_mode == "sync"
     runs = tier_runs(config.tier, kv_cache_config)
     return Capabilities(single_group, synchronous_compute, sync_loads,
-                        tier=config.tier.name if runs else None)
+                        tier=config.tier.name if runs else None,
+                        load_recovery=_load_recovery(kv_cache_config))
+
+
+def _load_recovery(kv_cache_config: KVCacheConfig) -> str:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return "blocks"
+    return "requests" if vllm_compat.REPORTS_FAILED_RECVING else "retry"

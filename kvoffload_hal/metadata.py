@@ -100,15 +100,19 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     stores: dict[int, JobReport] = field(default_factory=dict)
     loads: dict[int, JobReport] = field(default_factory=dict)  # synchronous loads only
     tier: dict[int, JobReport] = field(default_factory=dict)
+    # Requests whose asynchronous load failed on this rank, for a model with
+    # several KV cache groups (vLLM < 0.32 has no per-request failure report).
+    failed_loads: set[str] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.tier)
+        return bool(self.stores or self.loads or self.tier or self.failed_loads)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerMetadata:
         assert isinstance(other, OffloadWorkerMetadata)
         return OffloadWorkerMetadata(_merge(self.stores, other.stores),
                                      _merge(self.loads, other.loads),
-                                     _merge(self.tier, other.tier))
+                                     _merge(self.tier, other.tier),
+                                     self.failed_loads | other.failed_loads)
 
 
 def _merge(a: dict[int, JobReport], b: dict[int, JobReport]) -> dict[int, JobReport]:

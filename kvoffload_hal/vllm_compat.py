@@ -14,8 +14,9 @@ what                               missing before      here
 ``KVConnectorOutput                0.32                :data:`REPORTS_FAILED_RECVING`;
 .failed_recving``                                      without it a failed load can be
                                                        reported per block for one KV
-                                                       cache group only, so models with
-                                                       more are refused at start-up
+                                                       cache group only; with more,
+                                                       a failed load is sent again
+                                                       (``load_recovery`` "retry")
 ``get_kv_cache_coordinator``       (changed)           :func:`make_coordinator` passes
 keyword arguments                                      the arguments the factory names
 ``find_longest_cache_hit``         (2 values, not 3)   :func:`find_longest_cache_hit`
@@ -77,16 +78,6 @@ def transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> 
     if _TransferResults is None:
         raise RuntimeError("this vLLM has no KVConnectorTransferResults; it calls get_finished")
     return _TransferResults(sending, recving, failed)
-
-
-def check_supported(kv_cache_config: KVCacheConfig) -> None:
-    """Refuse at start-up what this vLLM cannot do safely, with one line."""
-    num_groups = len(kv_cache_config.kv_cache_groups)
-    if num_groups > 1 and not REPORTS_FAILED_RECVING:
-        raise ValueError(
-            f"HALOffloadConnector: this model has {num_groups} KV cache groups, but this vLLM "
-            "can report a failed KV load only for models with one (no "
-            "KVConnectorOutput.failed_recving); expected one KV cache group, or vLLM >= 0.32")
 
 
 # -------------------------------------------------------------- coordinator

@@ -31,7 +31,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvoffload_hal.capabilities import resolve_capabilities
+from kvoffload_hal.capabilities import LOAD_RECOVERIES, resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata
@@ -80,7 +80,8 @@ class OffloadScheduler:
             config.tier, self.caps.secondary_tier,
             SchedulerTierContext(kv_cache_config, self.cpu, self.world_size, self.stats))
         self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size)
-        self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads)
+        self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads,
+                              recovery=self._say_load_recovery())
         self.gpu_pool: BlockPool | None = None
         logger.info(
             "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores, "
@@ -88,6 +89,19 @@ class OffloadScheduler:
             "lazy" if isinstance(self.policy, LazyPolicy) else "eager",
             "sync" if self.caps.sync_loads else "async",
         )
+
+    def _say_load_recovery(self) -> str:
+        """Say once how a failed load is kept from being read, where it is not
+        vLLM's own per-block or per-request report (load_jobs.py)."""
+        recovery = self.caps.load_recovery
+        if recovery == "retry":
+            logger.info("HALOffloadConnector: this vLLM takes failed KV loads per block for "
+                        "one KV cache group only (no KVConnectorOutput.failed_recving); for "
+                        "this model's %d groups, on a failed load %s. vLLM >= 0.32 "
+                        "recomputes instead; so does --disable-hybrid-kv-cache-manager for "
+                        "sliding-window models (one group)", len(self.cpu.group_block_sizes),
+                        LOAD_RECOVERIES[recovery])
+        return recovery
 
     @property
     def totals(self) -> OffloadStats:
@@ -142,9 +156,10 @@ class OffloadScheduler:
                                need_flush=bool(scheduler_output.preempted_req_ids))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.loads.on_transfer_results(output)
         meta = output.kv_connector_worker_meta
-        if isinstance(meta, OffloadWorkerMetadata):
+        meta = meta if isinstance(meta, OffloadWorkerMetadata) else None
+        self.loads.on_transfer_results(output, meta.failed_loads if meta else set())
+        if meta is not None:
             for job, report in meta.stores.items():
                 self.stores.on_report(job, report)
             for job, report in meta.loads.items():

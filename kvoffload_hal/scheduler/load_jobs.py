@@ -11,6 +11,13 @@ A load goes through four states:
    in ``finished_recving``; a synchronous one when every rank reported its job.
    A successful load counts as a CPU-tier use; a failed one drops the CPU
    copies (a retry would fail the same way). Both pins go.
+
+A failed load is recomputed by vLLM. Where vLLM cannot be told per request
+(vLLM < 0.32, a model with several KV cache groups; see
+:data:`~kvoffload_hal.capabilities.LOAD_RECOVERIES`), the load is sent again
+(the workers withhold a failed request from ``finished_recving``), and after
+:data:`MAX_LOAD_ATTEMPTS` the engine stops with an error, before any of its
+blocks is read.
 """
 
 from __future__ import annotations
@@ -23,6 +30,13 @@ from vllm.utils.math_utils import cdiv
 from kvoffload_hal.metadata import JobReport, LoadSpec
 from kvoffload_hal.scheduler.cpu_tier import Hit, pin_ids, unpin_ids
 from kvoffload_hal.scheduler.jobs import JobBook
+
+MAX_LOAD_ATTEMPTS = 3
+
+
+class LoadFailedError(RuntimeError):
+    """A load failed every attempt where this vLLM cannot recompute it."""
+
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -42,6 +56,7 @@ class _Load:
     cpu_ids: list[int]
     num_tokens: int
     job_id: int | None = None  # None until sent to the workers
+    attempts: int = 0
 
 
 class _PendingHit(NamedTuple):
@@ -53,10 +68,13 @@ class _PendingHit(NamedTuple):
 
 class LoadJobs:
     def __init__(self, cpu: CpuTier, stats: StatsLedger, world_size: int,
-                 sync_loads: bool) -> None:
+                 sync_loads: bool, recovery: str = "blocks") -> None:
+        """``recovery``: how vLLM learns of a failed load (see the module docstring)."""
         self.cpu = cpu
         self.stats = stats
         self.sync_loads = sync_loads
+        self.recovery = recovery
+        self._failed: set[str] = set()  # reported failed by some rank, not finished yet
         self.gpu_pool: BlockPool | None = None
         self._pending_hits: dict[str, _PendingHit] = {}
         self._loads: dict[str, _Load] = {}
@@ -123,15 +141,39 @@ class LoadJobs:
             gpu_blocks += load.gpu_ids
         return LoadSpec(job, tuple(req_ids), cpu_blocks, gpu_blocks, self.sync_loads)
 
-    def on_transfer_results(self, output: KVConnectorOutput) -> None:
-        """Asynchronous loads that ended, as vLLM collected them from the workers."""
+    def on_transfer_results(self, output: KVConnectorOutput, failed_loads: set[str]) -> None:
+        """Asynchronous loads that ended, as vLLM collected them from the workers;
+        ``failed_loads``: requests a rank reported failed in its metadata (a rank
+        may report before the others finish)."""
+        if self.recovery == "retry":
+            self._send_again(failed_loads)
+        else:
+            self._failed.update(r for r in failed_loads if r in self._loads)
         invalid = output.invalid_block_ids or set()
         failed = getattr(output, "failed_recving", None) or set()  # vLLM >= 0.32
         for req_id in output.finished_recving or ():
             load = self._loads.pop(req_id, None)
-            if load is not None:
-                ok = req_id not in failed and not invalid.intersection(load.gpu_ids)
-                self._finish(load, ok)
+            if load is None:
+                continue
+            ok = (req_id not in failed and req_id not in self._failed
+                  and not invalid.intersection(load.gpu_ids))
+            self._failed.discard(req_id)
+            self._finish(load, ok)
+
+    def _send_again(self, req_ids: set[str]) -> None:
+        """Failed attempts the workers withheld: the same copies go in a new job."""
+        for req_id in req_ids:
+            load = self._loads.get(req_id)
+            if load is None or load.job_id is None:
+                continue  # finished meanwhile, or already queued again
+            load.attempts += 1
+            if load.attempts >= MAX_LOAD_ATTEMPTS:
+                raise LoadFailedError(
+                    f"HALOffloadConnector: the KV load of request {req_id} failed "
+                    f"{load.attempts} times, and this vLLM cannot recompute a failed load of "
+                    "this model (several KV cache groups, no KVConnectorOutput.failed_recving); "
+                    "stopping before its blocks are read. vLLM >= 0.32 recomputes instead")
+            load.job_id = None
 
     def on_report(self, job: int, report: JobReport) -> None:
         """A synchronous load job's report: the blocks stay pinned until every rank read them."""
@@ -160,6 +202,7 @@ class LoadJobs:
     def request_finished(self, req_id: str) -> bool:
         """True while vLLM must keep the request: an asynchronous load of it is in flight."""
         self.release_hit(req_id)
+        self._failed.discard(req_id)
         load = self._loads.get(req_id)
         if load is None:
             return False

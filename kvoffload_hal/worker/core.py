@@ -84,6 +84,7 @@ class OffloadWorker:
         self._unlaunched = _Unlaunched()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._recving_reported: set[str] = set()  # load_recovery "retry" only
         self._load_error_blocks: set[int] = set()
         self._reports = OffloadWorkerMetadata()
         self.stats = StatsLedger()
@@ -165,6 +166,7 @@ class OffloadWorker:
         """
         if self.backend is None:
             return set(), set(), set()
+        self._recving_reported.difference_update(finished_req_ids)
         launched = self._launch_pending()
         if launched and self.caps.synchronous_compute:
             self._collect(self.backend.flush())  # nothing to overlap: report this step
@@ -283,6 +285,9 @@ class OffloadWorker:
             if not r.ok:
                 self._load_error_blocks.update(load.gpu_blocks)
             return
+        if self.caps.load_recovery == "retry":
+            self._report_attempt(load, r.ok)
+            return
         # Reported finished even on failure, so the requests leave the waiting
         # state; vLLM then recomputes what did not arrive.
         self._finished_recving.update(load.req_ids)
@@ -290,8 +295,22 @@ class OffloadWorker:
             return
         if self.caps.report_failed_blocks:
             self._load_error_blocks.update(load.gpu_blocks)
-        else:
+        else:  # per request: in the transfer results, and to the scheduler side
             self._failed_recving.update(load.req_ids)
+            self._reports.failed_loads.update(load.req_ids)
+
+
+    def _report_attempt(self, load: LoadSpec, ok: bool) -> None:
+        """Where vLLM cannot recompute a failed load: a failed attempt is withheld
+        from vLLM and told to the scheduler side, which sends the load again. A
+        request this rank reported finished is not reported again (vLLM counts
+        one report per rank), when another rank's failure brings its load back."""
+        if not ok:
+            self._reports.failed_loads.update(load.req_ids)
+            return
+        new = [q for q in load.req_ids if q not in self._recving_reported]
+        self._finished_recving.update(new)
+        self._recving_reported.update(new)
 
 
 def _unique_tensors(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> list[torch.Tensor]:

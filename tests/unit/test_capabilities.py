@@ -4,7 +4,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvoffload_hal import vllm_compat
 from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig
 from support import backend_doubles  # noqa: F401 (registers the test backends)
@@ -21,23 +20,11 @@ def _caps(num_groups, backend="cpu", **extra):
                                 backend=backend)
 
 
-hybrid = pytest.mark.skipif(not vllm_compat.REPORTS_FAILED_RECVING,
-                            reason="this vLLM refuses models with several KV cache groups")
+def test_models_with_several_kv_cache_groups_are_accepted_on_every_vllm():
+    caps = _caps(2)
+    assert not caps.single_group and not caps.report_failed_blocks and not caps.sync_loads
 
 
-def test_hybrid_models_are_refused_where_a_failed_load_cannot_be_reported():
-    if vllm_compat.REPORTS_FAILED_RECVING:
-        assert not _caps(2).single_group
-        return
-    with pytest.raises(ValueError) as e:
-        _caps(2)
-    assert str(e.value) == (
-        "HALOffloadConnector: this model has 2 KV cache groups, but this vLLM can report a "
-        "failed KV load only for models with one (no KVConnectorOutput.failed_recving); "
-        "expected one KV cache group, or vLLM >= 0.32")
-
-
-@hybrid
 def test_load_mode_sync_needs_one_kv_cache_group():
     assert _caps(1, load_mode="sync").sync_loads
     assert not _caps(1, load_mode="async").sync_loads
@@ -47,7 +34,6 @@ def test_load_mode_sync_needs_one_kv_cache_group():
                             "with one KV cache group, this one has 2; use 'async' or 'auto'")
 
 
-@hybrid
 def test_auto_loads_follow_the_backends_synchronous_compute():
     # The CPU backend's forward pass has finished when copies start; slow-cpu
     # plays a device whose compute overlaps the copies.
@@ -57,7 +43,6 @@ def test_auto_loads_follow_the_backends_synchronous_compute():
     assert not _caps(2, "cpu").sync_loads  # a failed sync load maps to blocks of one group
 
 
-@hybrid
 def test_the_disk_tier_serves_several_groups_of_one_block_size(tmp_path):
     disk = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20}
     one, two = _caps(1, **disk), _caps(2, **disk)
