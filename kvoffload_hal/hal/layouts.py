@@ -21,9 +21,11 @@ of a block is copied exactly once:
 3. anything else is refused with one line naming the layers and the layout:
    a tensor no block dimension fits, views of one memory whose bytes of one
    block reach into another block's, and views of one memory with different
-   block strides that share bytes (vllm-ascend's hybrid attention + Mamba
-   tensor lays K and V out per tensor and Mamba state per block, so a block
-   id's attention bytes are another block id's Mamba bytes).
+   block strides that share bytes. vllm-ascend's hybrid attention + Mamba
+   tensor (states over all blocks, then K and V over all blocks) is not such a
+   case as vllm-ascend sizes it: a block's K page equals its SSM state, so each
+   block id owns three disjoint stripes, merged per step 2. It becomes one when
+   ``--block-size`` is set above the derived size (K = 2 x SSM): refused.
 """
 
 from __future__ import annotations
@@ -174,9 +176,10 @@ def _check_disjoint(regions: Sequence[NamedRegion]) -> None:
     raise ValueError(
         f"KV caches {list(other.names)} (block stride {other.region.block_stride_bytes} B) "
         f"and {list(this.names)} (block stride {this.region.block_stride_bytes} B) view "
-        f"overlapping memory, so a block of one holds bytes of other blocks of the other "
-        f"(a hybrid attention + Mamba tensor laid out per tensor, not per block); expected "
-        f"views of one memory to share a block stride")
+        f"overlapping memory, so a block of one holds bytes of other blocks of the other; "
+        f"expected views of one memory to share a block stride (vllm-ascend lays a hybrid "
+        f"attention + Mamba tensor out so only when --block-size is set above the block "
+        f"size it derives for the model: leave --block-size unset)")
 
 
 def _names(items: Sequence[NamedRegion]) -> list[str]:

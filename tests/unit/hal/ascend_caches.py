@@ -150,19 +150,31 @@ def compressed(c: Caches, layer: str, a5: bool, block_size=16, head_dim=128,
 
 
 def hybrid_attention_mamba(c: Caches, attn_layer: str, mamba_layer: str, block_size=16,
-                           kernel_block=8, heads=1, head_dim=24) -> None:
-    """One raw tensor shared by a Mamba layer and an attention layer (hybrid kernel blocks):
-    Mamba state per block from the start, attention K then V each over all blocks at
-    the end, after ``conv_block_padding_size`` bytes."""
-    conv_shape, ssm_shape = (4, 24), (2, 8, 8)
-    state = math.prod(conv_shape) * 2 + math.prod(ssm_shape) * 4
-    k_page = block_size * heads * head_dim * 2
-    page = max(state, 2 * k_page)
-    raw = int8_cache(c.num_blocks * page)
+                           kernel_block=8, heads=1, head_dim=16, conv_shape=(3, 64),
+                           ssm_shape=(2, 8, 8)) -> dict[str, int]:
+    """One raw tensor shared by a Mamba layer and an attention layer, as vllm-ascend
+    0.23.0.post1 builds it (``model_runner_v1.py``, ``patch_mamba_config.py``).
+
+    The Mamba states lie one after the other over all blocks (conv, then ssm); the
+    attention K then V lie over all blocks at the end, after a padding of
+    ``raw - 2 x K`` bytes. vllm-ascend derives the attention block size so that a
+    block's K page equals its SSM state (S == K) and the page is conv + 2K, so block
+    ``b`` owns three stripes: conv ``[bC, +C)``, K / ssm ``[nC + bK, +K)`` and V
+    ``[nC + nK + bK, +K)``; no two block ids share a byte. A ``block_size`` above
+    the derived one (a user's ``--block-size``) breaks S == K, and then block ids
+    do share bytes. Returns the geometry (C, S, K, page) in bytes.
+    """
+    conv = math.prod(conv_shape) * 2  # bfloat16
+    ssm = math.prod(ssm_shape) * 4  # float32
+    k_page = block_size * heads * head_dim * 2  # bfloat16
+    page = conv + 2 * k_page
+    n = c.num_blocks
+    raw = int8_cache(n * page)
     mamba(c, mamba_layer, conv_shape, ssm_shape, raw=raw)
     chunk = block_size // kernel_block
-    shape = (c.num_blocks * chunk, kernel_block, heads, head_dim)
+    shape = (n * chunk, kernel_block, heads, head_dim)
     k_bytes = math.prod(shape) * 2
-    kv = raw[raw.numel() - 2 * k_bytes:]
+    kv = raw[raw.numel() - 2 * k_bytes:]  # after the padding (n x C when S == K)
     c.add(attn_layer, (view_as(kv[:k_bytes], torch.bfloat16, shape),
                        view_as(kv[k_bytes:], torch.bfloat16, shape)), chunk)
+    return {"conv": conv, "ssm": ssm, "k": k_page, "page": page}

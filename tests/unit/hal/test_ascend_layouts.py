@@ -165,14 +165,35 @@ def _refusal(c: ac.Caches) -> str:
 
 
 @pytest.mark.parametrize("kernel_block", [8, 16])
-def test_hybrid_attention_and_mamba_sharing_one_tensor_is_refused(kernel_block):
-    # K/V laid out over all blocks, Mamba state per block: a block id's attention
-    # bytes are other block ids' Mamba bytes, so no per-block copy can be exact.
+def test_hybrid_attention_and_mamba_sharing_one_tensor_is_copied_exactly(kernel_block):
+    """vllm-ascend's real hybrid geometry (Qwen3.5-like: conv 384 B, SSM = K = 512 B,
+    page 1408 B): each block id owns three stripes of the shared tensor, and a
+    block's copy holds every one of its bytes once, never another block's."""
     c = ac.Caches(NUM_BLOCKS)
-    ac.hybrid_attention_mamba(c, "l3.attn", "l0.linear_attn", kernel_block=kernel_block)
+    geometry = ac.hybrid_attention_mamba(c, "l3.attn", "l0.linear_attn",
+                                         kernel_block=kernel_block)
+    assert geometry == {"conv": 384, "ssm": 512, "k": 512, "page": 1408}
+    regions = describe_kv_caches(c.kv_caches, NUM_BLOCKS)
+    base = min(r.base_ptr for r in regions)
+    n, conv, k = NUM_BLOCKS, geometry["conv"], geometry["k"]
+    assert sorted((r.base_ptr - base, r.block_bytes, r.block_stride_bytes)
+                  for r in regions) == [(0, conv, conv), (n * conv, k, k),
+                                        (n * conv + n * k, k, k)]
+    _randomize(c)
+    assert round_trip(c) == geometry["page"] == distinct_bytes_of_block(c, 0)
+
+
+@pytest.mark.parametrize("kernel_block", [8, 16])
+def test_a_block_size_above_the_derived_one_is_refused_saying_what_to_change(kernel_block):
+    # With --block-size 32 the K page (1024 B) is twice the SSM state (512 B): block
+    # b's K starts where block 2b's SSM state lies, so block ids share bytes.
+    c = ac.Caches(NUM_BLOCKS)
+    ac.hybrid_attention_mamba(c, "l3.attn", "l0.linear_attn", block_size=32,
+                              kernel_block=kernel_block)
     message = _refusal(c)
     assert "l0.linear_attn[" in message and "l3.attn[" in message
-    assert "block stride" in message and "share a block stride" in message
+    assert "block stride 512 B" in message and "block stride 1024 B" in message
+    assert "--block-size" in message and "share a block stride" in message
 
 
 def test_block_rows_that_are_not_a_multiple_of_the_block_count_are_refused():
