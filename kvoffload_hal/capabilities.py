@@ -2,7 +2,7 @@
 
 Three facts used to be re-derived wherever they mattered; they are resolved
 here from the KV cache config, the connector config and the selected copy
-backend (its class only: nothing is instantiated, no device is touched):
+backend (registry data: no backend module is imported, no device is touched):
 
 * ``single_group``: the model has one KV cache group. vLLM maps block-level
   load errors back to requests only then (block ids are per group), and
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
-from kvoffload_hal.hal.registry import get_backend_class
+from kvoffload_hal.hal import registry as backends
 from kvoffload_hal.tiers.registry import tier_runs
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
     """``backend``: a ``KVOFFLOAD_HAL_BACKEND`` value (default: the variable's)."""
     num_groups = len(kv_cache_config.kv_cache_groups)
     single_group = num_groups == 1
-    synchronous_compute = get_backend_class(backend).synchronous_compute
+    synchronous_compute = backends.synchronous_compute(backend)
     if config.load_mode == "sync" and not single_group:
         raise ValueError(
             f"kv_connector_extra_config['load_mode']='sync': expected a model with one KV "

@@ -9,12 +9,15 @@ and hands the data to :class:`OffloadPromMetrics.observe`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+if TYPE_CHECKING:
+    from kvoffload_hal.hal.backend import DmaCopyBackend
 
 # name -> help text. Every field is a monotonically increasing counter.
 COUNTERS: dict[str, str] = {
@@ -133,12 +136,12 @@ class CopyPathWatch:
     called after each collection of results, records each change once.
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: DmaCopyBackend) -> None:
         self._backend = backend
-        self.path: str | None = getattr(backend, "copy_path", None)
+        self.path: str | None = backend.copy_path
 
     def check(self, recorder: _Recorder) -> None:
-        path = getattr(self._backend, "copy_path", None)
+        path = self._backend.copy_path
         if path != self.path:
             recorder.record_copy_path_fallback()
             self.path = path

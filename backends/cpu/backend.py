@@ -50,6 +50,7 @@ def _copy_batch_python(batch: CopyBatch) -> None:
 class CpuCopyBackend(ThreadedCopyBackend):
     name = "cpu"
     synchronous_compute = True  # vLLM's CPU forward pass has returned when copies start
+    host_memcpy = True
 
     def __init__(self, device=None, num_copy_threads: int | None = None) -> None:
         super().__init__(device)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kvoffload_hal.backends.cuda._copy import BatchCopier
+from kvoffload_hal.backends.cuda._copy import LOOP_PATH, BatchCopier
 from kvoffload_hal.backends.cuda._driver import (
     CU_EVENT_DISABLE_TIMING,
     CU_STREAM_NON_BLOCKING,
@@ -74,6 +74,8 @@ class CudaCopyBackend(ThreadedCopyBackend):
     """KV block copies between GPU memory and registered host memory."""
 
     name = "cuda"
+    runtime_name = "CUDA driver"
+    fallback_copy_paths = frozenset({LOOP_PATH})
 
     def __init__(self, device: torch.device | str | None = None, *,
                  library_path: str | None = None, max_descriptors: int | None = None,

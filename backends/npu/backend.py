@@ -79,6 +79,8 @@ class NpuCopyBackend(ThreadedCopyBackend):
     """Copies KV blocks between NPU HBM and pinned host memory with ACL batch copies."""
 
     name = "npu"
+    runtime_name = "AscendCL"
+    fallback_copy_paths = frozenset({PER_COPY})
 
     def __init__(self, device=None, max_batch_descriptors: int | None = None) -> None:
         super().__init__(device)

@@ -133,10 +133,39 @@ class DmaCopyBackend(ABC):
     #: There is then no compute left to overlap the copies with, and the worker
     #: waits for them: their results reach the scheduler in the same step, so a
     #: request waiting for a load is scheduled one step earlier.
+    #: The registry says this without importing the backend (the scheduler
+    #: process never does): a built-in's entry in ``hal/registry.py``, a plug-in's
+    #: ``register_backend(..., synchronous_compute=...)``; it must match this flag.
     synchronous_compute: ClassVar[bool] = False
+    #: Copies are plain host memcpy (no device, no DMA engine): the CPU backend.
+    host_memcpy: ClassVar[bool] = False
+    #: The vendor runtime whose version :attr:`runtime_version` reports ("CUDA
+    #: driver", "AscendCL"); None for a backend without one.
+    runtime_name: ClassVar[str | None] = None
+    #: Values of :attr:`copy_path` that are a per-copy fallback for a batched call.
+    fallback_copy_paths: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
+
+    @property
+    def copy_path(self) -> str | None:
+        """The call block copies go through now (e.g. ``cuMemcpyBatchAsync``), for logs,
+        the self-check and the ``copy_path_fallbacks`` metric; None while not known yet
+        (before :meth:`bind`). It changes at most once, when a batched call answers "not
+        supported" and the backend moves to a per-copy loop for good (then one of
+        :attr:`fallback_copy_paths`)."""
+        return None
+
+    @property
+    def copy_path_is_fallback(self) -> bool:
+        return self.copy_path in self.fallback_copy_paths
+
+    @property
+    def runtime_version(self) -> str | None:
+        """The version of :attr:`runtime_name` ("12.8", "8.0.0"); None where the backend
+        has no runtime, before the runtime is loaded, or when the runtime will not say."""
+        return None
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

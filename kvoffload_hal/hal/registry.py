@@ -7,17 +7,24 @@ run time with :func:`register_backend`.
 
 ``auto`` picks ``npu`` when torch_npu is importable and an NPU is visible, else
 ``cuda`` when ``torch.cuda.is_available()``, else ``cpu``.
+
+The scheduler process never imports a backend: what it needs of one,
+:func:`synchronous_compute`, is registry data (each built-in's below; a
+plug-in's from ``register_backend(..., synchronous_compute=True)``, else False,
+which is always safe: loads are then asynchronous, and the worker still waits
+for copies where its backend class says compute is synchronous). For ``auto``
+it asks vLLM's platform (the CPU platform computes synchronously) instead of
+probing torch_npu.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
-from importlib.metadata import entry_points
 
 from kvoffload_hal.hal.backend import DmaCopyBackend
 from kvoffload_hal.logger import init_logger
+from kvoffload_hal.plugins import check_target, entry_point_targets, load_class
 
 logger = init_logger(__name__)
 
@@ -30,24 +37,28 @@ _BUILTIN: dict[str, str] = {
     "cuda": "kvoffload_hal.backends.cuda:CudaCopyBackend",
     "npu": "kvoffload_hal.backends.npu:NpuCopyBackend",
 }
+# Whether each built-in's compute is synchronous (its class's synchronous_compute).
+_SYNCHRONOUS = {"cpu": True, "cuda": False, "npu": False}
 _registered: dict[str, str] = {}
+_registered_synchronous: dict[str, bool] = {}
 
 
 class BackendSelectionError(RuntimeError):
     """The requested backend is unknown or cannot run here. The message is one line."""
 
 
-def register_backend(name: str, target: str) -> None:
-    """Register ``name`` -> ``"module:Class"`` (a :class:`DmaCopyBackend` subclass)."""
+def register_backend(name: str, target: str, synchronous_compute: bool = False) -> None:
+    """Register ``name`` -> ``"module:Class"`` (a :class:`DmaCopyBackend` subclass);
+    ``synchronous_compute`` as its class says (see the module docstring)."""
     if name == AUTO or name in _BUILTIN:
         raise ValueError(f"backend name {name!r} is reserved")
-    if ":" not in target:
-        raise ValueError(f"backend target {target!r} must look like 'package.module:Class'")
+    check_target("backend", target)
     _registered[name] = target
+    _registered_synchronous[name] = synchronous_compute
 
 
 def _plugin_backends() -> dict[str, str]:
-    found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    found = entry_point_targets(ENTRY_POINT_GROUP)
     found.update(_registered)
     return found
 
@@ -94,17 +105,27 @@ def get_backend_class(value: str | None = None) -> type[DmaCopyBackend]:
     """Import and return the selected backend class, checking it can run here."""
     name = resolve_backend_name(value)
     target = _BUILTIN.get(name) or _plugin_backends()[name]
-    module_name, _, class_name = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
-        raise BackendSelectionError(f"backend {name!r} ({target}) cannot be imported: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, DmaCopyBackend)):
-        raise BackendSelectionError(f"backend {name!r} ({target}) is not a DmaCopyBackend subclass")
+    cls = load_class("backend", name, target, DmaCopyBackend, BackendSelectionError)
     reason = cls.unavailable_reason()
     if reason is not None:
         raise BackendSelectionError(f"backend {name!r} cannot run here: {reason}")
     return cls
+
+
+def synchronous_compute(value: str | None = None) -> bool:
+    """Whether the selected backend's compute is synchronous, without importing it."""
+    raw = value if value is not None else os.environ.get(ENV_VAR, AUTO)
+    name = raw.strip().lower() or AUTO
+    if name == AUTO:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+    if name in _SYNCHRONOUS:
+        return _SYNCHRONOUS[name]
+    if name in _registered_synchronous:
+        return _registered_synchronous[name]
+    resolve_backend_name(value)  # an unknown name fails here, with the valid ones
+    return False
 
 
 def create_backend(value: str | None = None, device=None) -> DmaCopyBackend:

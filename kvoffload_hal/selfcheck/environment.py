@@ -84,16 +84,11 @@ def default_device(name: str) -> torch.device:
 
 def copy_mode(backend: DmaCopyBackend) -> str:
     """``batch``, ``loop fallback``, ``host memcpy`` or ``unknown`` for ``backend``'s copy path."""
-    from kvoffload_hal.backends.cpu import CpuCopyBackend
-    from kvoffload_hal.backends.cuda._copy import LOOP_PATH
-    from kvoffload_hal.backends.npu._acl import PER_COPY
-
-    if isinstance(backend, CpuCopyBackend):
+    if backend.host_memcpy:
         return "host memcpy"
-    path = getattr(backend, "copy_path", None)
-    if path is None:
+    if backend.copy_path is None:
         return "unknown"
-    return "loop fallback" if path in (LOOP_PATH, PER_COPY) else "batch"
+    return "loop fallback" if backend.copy_path_is_fallback else "batch"
 
 
 def _device_name(device: torch.device) -> str | None:
@@ -121,13 +116,12 @@ def cpu_model() -> str:
 
 def describe_environment(backend: DmaCopyBackend | None, device: torch.device) -> dict:
     """Versions, copy path and settings, as plain JSON values; "unknown" where not found."""
-    version = getattr(backend, "runtime_version", None) if backend is not None else None
-    has_version = backend is not None and hasattr(type(backend), "runtime_version")
+    has_runtime = backend is not None and backend.runtime_name is not None
     return {
         "device": str(device),
         "device_name": _device_name(device),
-        "runtime_version": (version or "unknown") if has_version else "n/a",
-        "copy_path": getattr(backend, "copy_path", None) or "unknown",
+        "runtime_version": (backend.runtime_version or "unknown") if has_runtime else "n/a",
+        "copy_path": (backend.copy_path if backend is not None else None) or "unknown",
         "copy_mode": copy_mode(backend) if backend is not None else "unknown",
         "kvoffload_hal": kvoffload_hal.__version__,
         "torch": torch.__version__,

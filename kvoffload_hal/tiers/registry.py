@@ -13,12 +13,11 @@ on two is refused, naming both switch keys.
 
 from __future__ import annotations
 
-import importlib
 import os
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.logger import init_logger
+from kvoffload_hal.plugins import check_target, entry_point_targets, load_class
 from kvoffload_hal.tiers.spec import TierSpec
 
 if TYPE_CHECKING:
@@ -45,8 +44,7 @@ def register_tier(name: str, target: str) -> None:
     """Register ``name`` -> ``"module:SpecClass"`` (a :class:`TierSpec` subclass)."""
     if name in _BUILTIN:
         raise ValueError(f"tier name {name!r} is reserved")
-    if ":" not in target:
-        raise ValueError(f"tier target {target!r} must look like 'package.module:SpecClass'")
+    check_target("tier", target)
     _registered[name] = target
 
 
@@ -57,22 +55,15 @@ def unregister_tier(name: str) -> None:
 def tier_targets() -> dict[str, str]:
     """Every tier's ``"module:SpecClass"``, built-ins first."""
     found = dict(_BUILTIN)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep.value)
+    for name, target in entry_point_targets(ENTRY_POINT_GROUP).items():
+        found.setdefault(name, target)
     for name, target in _registered.items():
         found.setdefault(name, target)
     return found
 
 
 def spec_class(name: str, target: str) -> type[TierSpec]:
-    module_name, _, class_name = target.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
-        raise TierSelectionError(f"tier {name!r} ({target}) cannot be imported: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, TierSpec)):
-        raise TierSelectionError(f"tier {name!r} ({target}) is not a TierSpec subclass")
-    return cls
+    return load_class("tier", name, target, TierSpec, TierSelectionError)
 
 
 def spec_classes() -> list[type[TierSpec]]:

@@ -168,7 +168,7 @@ class OffloadWorker:
             return set(), set(), set()
         self._recving_reported.difference_update(finished_req_ids)
         launched = self._launch_pending()
-        if launched and self.caps.synchronous_compute:
+        if launched and self.backend.synchronous_compute:
             self._collect(self.backend.flush())  # nothing to overlap: report this step
         else:
             self._collect(self.backend.poll())

@@ -18,4 +18,5 @@ class FlakyLoadsBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
-register_backend(FlakyLoadsBackend.name, f"{__name__}:FlakyLoadsBackend")
+register_backend(FlakyLoadsBackend.name, f"{__name__}:FlakyLoadsBackend",
+                 FlakyLoadsBackend.synchronous_compute)

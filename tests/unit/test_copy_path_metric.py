@@ -28,7 +28,8 @@ class SwitchingCpuBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
-register_backend(SwitchingCpuBackend.name, f"{__name__}:SwitchingCpuBackend")
+register_backend(SwitchingCpuBackend.name, f"{__name__}:SwitchingCpuBackend",
+                 synchronous_compute=True)
 
 
 def test_a_copy_path_switch_is_counted_once_in_the_stats(make_engine):

@@ -113,7 +113,8 @@ def test_canary_corrupted_loads_change_outputs(tiny_model_dir, baseline, monkeyp
     """The comparison above can fail: damaged KV from the CPU tier changes tokens."""
     from kvoffload_hal.hal import register_backend
 
-    register_backend("corrupting-cpu", "corrupting_backend:CorruptingCpuBackend")
+    register_backend("corrupting-cpu", "corrupting_backend:CorruptingCpuBackend",
+                     synchronous_compute=True)
     monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", "corrupting-cpu")
     monkeypatch.syspath_prepend(__file__.rsplit("/", 1)[0])
     outputs, _ = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, offload=True))

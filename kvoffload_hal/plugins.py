@@ -1,0 +1,35 @@
+"""Plug-ins by name: ``"package.module:Class"`` targets, from entry points or registered.
+
+Copy backends (:mod:`kvoffload_hal.hal.registry`) and secondary tiers
+(:mod:`kvoffload_hal.tiers.registry`) are both found this way; a target is
+imported only when it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+
+def entry_point_targets(group: str) -> dict[str, str]:
+    """``name -> "module:Class"`` of every installed entry point in ``group``."""
+    return {ep.name: ep.value for ep in entry_points(group=group)}
+
+
+def check_target(kind: str, target: str) -> None:
+    if ":" not in target:
+        raise ValueError(f"{kind} target {target!r} must look like 'package.module:Class'")
+
+
+def load_class(kind: str, name: str, target: str, base: type,
+               error: type[Exception]) -> type:
+    """Import ``target`` and check it subclasses ``base``; ``error`` with one line
+    naming the ``kind``, the name and the target otherwise."""
+    module_name, _, class_name = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise error(f"{kind} {name!r} ({target}) cannot be imported: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise error(f"{kind} {name!r} ({target}) is not a {base.__name__} subclass")
+    return cls
