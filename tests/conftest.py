@@ -9,3 +9,19 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from kvoffload_hal.demo.tiny_model import build_tiny_llama
 
     return build_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> str:
+    """A random-weight Gemma 3 (sliding window + global layers), built offline once."""
+    from kvoffload_hal.demo.tiny_hybrid import build_tiny_gemma3
+
+    return build_tiny_gemma3(str(tmp_path_factory.mktemp("tiny-gemma3")))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory) -> str:
+    """A random-weight Qwen3-Next (Gated DeltaNet + attention, MoE), built offline once."""
+    from kvoffload_hal.demo.tiny_hybrid import build_tiny_qwen3_next
+
+    return build_tiny_qwen3_next(str(tmp_path_factory.mktemp("tiny-qwen3-next")))

@@ -20,6 +20,9 @@ _WORDS = (
 ).split()
 
 
+STAMP = "kvoffload_spec.json"
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
     hidden_size: int = 128
@@ -37,14 +40,47 @@ class TinyModelSpec:
 
 def build_tiny_llama(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str:
     """Write tokenizer + bf16 weights to ``out_dir`` (reused when already built)."""
-    stamp = os.path.join(out_dir, "kvoffload_spec.json")
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            if json.load(f) == asdict(spec):
-                return out_dir
+    if is_built(out_dir, asdict(spec)):
+        return out_dir
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fast = build_tokenizer(out_dir, spec.max_position_embeddings)
+    torch.manual_seed(spec.seed)
+    cfg = LlamaConfig(
+        vocab_size=len(fast), hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
+        torch_dtype="bfloat16", initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out_dir)
+    write_stamp(out_dir, asdict(spec))
+    return out_dir
+
+
+def is_built(out_dir: str, spec: dict) -> bool:
+    """``out_dir`` holds a model built from ``spec`` (it is then reused)."""
+    stamp = os.path.join(out_dir, STAMP)
+    if not os.path.exists(stamp):
+        return False
+    with open(stamp) as f:
+        return json.load(f) == spec
+
+
+def write_stamp(out_dir: str, spec: dict) -> None:
+    with open(os.path.join(out_dir, STAMP), "w") as f:
+        json.dump(spec, f)
+
+
+def build_tokenizer(out_dir: str, max_length: int):
+    """A byte-level BPE tokenizer trained on a synthetic corpus, saved in ``out_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     os.makedirs(out_dir, exist_ok=True)
     n = len(_WORDS)
@@ -58,24 +94,9 @@ def build_tiny_llama(out_dir: str, spec: TinyModelSpec = TinyModelSpec()) -> str
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="</s>", model_max_length=spec.max_position_embeddings)
+                                   pad_token="</s>", model_max_length=max_length)
     fast.save_pretrained(out_dir)
-    torch.manual_seed(spec.seed)
-    cfg = LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
-        torch_dtype="bfloat16", initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out_dir)
-    with open(stamp, "w") as f:
-        json.dump(asdict(spec), f)
-    return out_dir
+    return fast
 
 
 def synthetic_text(num_words: int, seed: int) -> str:
