@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reaso
 BS = 16
 
 
-def _engine(make_engine, address, **extra):
-    return make_engine(cpu_blocks=32, extra_config={
+def _engine(make_engine, address, sliding_window=None, **extra):
+    return make_engine(cpu_blocks=32, sliding_window=sliding_window, extra_config={
         "mooncake_master": address, "mooncake_segment_bytes": 16 << 20,
         "mooncake_buffer_bytes": 16 << 20, "mooncake_timeout_s": 2.0,
         "mooncake_connect_timeout_s": 1.0, **extra})
@@ -42,6 +42,21 @@ def test_a_second_engine_serves_what_the_first_stored(make_engine, master):
     _serve(b, "b", PROMPT)
     assert b.outputs["b"] == a.outputs["a"]
     assert b.offload.totals.data["blocks_from_mooncake"] == 6
+    assert b.offload.totals.data["cpu_hit_tokens"] == 6 * BS
+    b.assert_idle()
+
+
+def test_a_model_with_a_sliding_window_group_is_shared_too(make_engine, master):
+    """Two KV cache groups: one object per (group, block); the second engine probes
+    and promotes both groups' blocks, checked by the fake model."""
+    a = _engine(make_engine, master.address, sliding_window=32)
+    b = _engine(make_engine, master.address, sliding_window=32)
+    _serve(a, "a", PROMPT)
+    assert a.offload.caps.tier == "mooncake"
+    assert a.offload.totals.data["blocks_to_mooncake"] == 2 * 6
+    _serve(b, "b", PROMPT)
+    assert b.outputs["b"] == a.outputs["a"]
+    assert b.offload.totals.data["blocks_from_mooncake"] > 6  # attention and window blocks
     assert b.offload.totals.data["cpu_hit_tokens"] == 6 * BS
     b.assert_idle()
 
