@@ -130,10 +130,13 @@ class StatsLedger(_Recorder):
 class CopyPathWatch:
     """Counts the copy-path switches of one backend as the worker sees them.
 
-    A backend reports the call its copies go through as ``copy_path``. It
-    changes only when a batched call answers "not supported" (CUDA 801, ACL
-    207000) and the backend moves to a per-copy loop for good; :meth:`check`,
-    called after each collection of results, records each change once.
+    A backend reports the call its copies go through as
+    :attr:`~kvoffload_hal.hal.backend.DmaCopyBackend.copy_path`, known once it is
+    bound (build the watch after ``bind``). By the HAL's contract it changes at
+    most once, to one of the backend's ``fallback_copy_paths``: when a batched
+    call answers "not supported" (CUDA 801, ACL 207000) and the backend moves to
+    a per-copy loop for good. :meth:`check`, called after each collection of
+    results, records each change once.
     """
 
     def __init__(self, backend: DmaCopyBackend) -> None:

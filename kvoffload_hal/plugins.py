@@ -1,14 +1,17 @@
 """Plug-ins by name: ``"package.module:Class"`` targets, from entry points or registered.
 
 Copy backends (:mod:`kvoffload_hal.hal.registry`) and secondary tiers
-(:mod:`kvoffload_hal.tiers.registry`) are both found this way; a target is
-imported only when it is used.
+(:mod:`kvoffload_hal.tiers.registry`) are both found this way. Listing targets
+imports nothing; a target is imported only by :func:`load_class`, when used.
 """
 
 from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def entry_point_targets(group: str) -> dict[str, str]:
@@ -16,15 +19,19 @@ def entry_point_targets(group: str) -> dict[str, str]:
     return {ep.name: ep.value for ep in entry_points(group=group)}
 
 
-def check_target(kind: str, target: str) -> None:
+def check_target(kind: str, target: str, class_word: str = "Class") -> None:
+    """``ValueError`` unless ``target`` looks like ``"module:Class"``."""
     if ":" not in target:
-        raise ValueError(f"{kind} target {target!r} must look like 'package.module:Class'")
+        raise ValueError(f"{kind} target {target!r} must look like 'package.module:{class_word}'")
 
 
-def load_class(kind: str, name: str, target: str, base: type,
-               error: type[Exception]) -> type:
-    """Import ``target`` and check it subclasses ``base``; ``error`` with one line
-    naming the ``kind``, the name and the target otherwise."""
+def load_class(kind: str, name: str, target: str, base: type[T],
+               error: type[Exception]) -> type[T]:
+    """Import ``target`` and check that it is a ``base`` subclass.
+
+    Raises ``error`` with one line naming ``kind``, ``name`` and ``target``:
+    ``"backend 'x' (m:C) cannot be imported: ..."`` or ``"... is not a Base subclass"``.
+    """
     module_name, _, class_name = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)

@@ -57,6 +57,13 @@ unless stated otherwise):
     completes. Returns True when no copy can touch host or device memory any
     more (every job ended, device queues drained); False when one may still
     run, in which case the caller must keep the host buffer alive. Idempotent.
+
+What a backend says about itself, for logs, metrics and the self-check, is
+declared on :class:`DmaCopyBackend` too (callers read nothing else, and import
+no vendor module to interpret it): ``copy_path`` and whether it is a per-copy
+fallback (``copy_path_is_fallback``, from the class's ``fallback_copy_paths``),
+``runtime_version`` of the class's ``runtime_name``, ``host_memcpy``, and
+``synchronous_compute``, which the registry repeats for the scheduler process.
 """
 
 from __future__ import annotations
@@ -133,16 +140,21 @@ class DmaCopyBackend(ABC):
     #: There is then no compute left to overlap the copies with, and the worker
     #: waits for them: their results reach the scheduler in the same step, so a
     #: request waiting for a load is scheduled one step earlier.
-    #: The registry says this without importing the backend (the scheduler
-    #: process never does): a built-in's entry in ``hal/registry.py``, a plug-in's
-    #: ``register_backend(..., synchronous_compute=...)``; it must match this flag.
+    #: The worker reads this flag on its backend. The scheduler process never
+    #: imports a backend and asks the registry instead, which must say the same:
+    #: a built-in's entry in ``hal/registry.py``; a plug-in's
+    #: ``register_backend(..., synchronous_compute=True)`` or its entry in the group
+    #: ``kvoffload_hal.synchronous_backends`` (undeclared: False, always safe).
     synchronous_compute: ClassVar[bool] = False
-    #: Copies are plain host memcpy (no device, no DMA engine): the CPU backend.
+    #: Copies are plain host memcpy (no device, no DMA engine), as in the CPU backend;
+    #: the self-check then reports the copy mode ``host memcpy``.
     host_memcpy: ClassVar[bool] = False
     #: The vendor runtime whose version :attr:`runtime_version` reports ("CUDA
-    #: driver", "AscendCL"); None for a backend without one.
+    #: driver", "AscendCL"); None for a backend without one (the self-check says "n/a").
     runtime_name: ClassVar[str | None] = None
-    #: Values of :attr:`copy_path` that are a per-copy fallback for a batched call.
+    #: The values of :attr:`copy_path` that are a per-copy loop standing in for a
+    #: batched call (the runtime lacks the batch call, or answered "not supported").
+    #: Empty for a backend without such a fallback.
     fallback_copy_paths: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, device: torch.device | str | None = None) -> None:
@@ -150,21 +162,29 @@ class DmaCopyBackend(ABC):
 
     @property
     def copy_path(self) -> str | None:
-        """The call block copies go through now (e.g. ``cuMemcpyBatchAsync``), for logs,
-        the self-check and the ``copy_path_fallbacks`` metric; None while not known yet
-        (before :meth:`bind`). It changes at most once, when a batched call answers "not
-        supported" and the backend moves to a per-copy loop for good (then one of
-        :attr:`fallback_copy_paths`)."""
+        """The call block copies go through now, e.g. ``"cuMemcpyBatchAsync (CUDA 12.8
+        ABI)"``, for logs, the self-check and the ``copy_path_fallbacks`` metric.
+
+        None while not known yet: a backend may only know it once :meth:`bind` has
+        loaded its runtime (CUDA), or from construction (CPU, NPU); from ``bind`` on it
+        is a string. Before the first copy it names the best call the runtime offers.
+        It changes at most once, and only to one of :attr:`fallback_copy_paths`: when a
+        batched call answers "not supported" and the backend moves to a per-copy loop
+        for good. Cheap and side-effect free.
+        """
         return None
 
     @property
     def copy_path_is_fallback(self) -> bool:
+        """:attr:`copy_path` is one of :attr:`fallback_copy_paths` (False while None)."""
         return self.copy_path in self.fallback_copy_paths
 
     @property
     def runtime_version(self) -> str | None:
-        """The version of :attr:`runtime_name` ("12.8", "8.0.0"); None where the backend
-        has no runtime, before the runtime is loaded, or when the runtime will not say."""
+        """The version of :attr:`runtime_name`, e.g. "12.8" or "9.1.0". Always None where
+        :attr:`runtime_name` is None; otherwise None until the runtime is loaded (CUDA:
+        ``allocate_host`` or ``bind``; NPU: construction) or when it will not say.
+        Side-effect free: it never loads or initialises the runtime."""
         return None
 
     @classmethod

@@ -114,13 +114,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _runtime_version(backend: DmaCopyBackend | None) -> str:
+    """The backend's runtime version; "unknown" where it has a runtime that will not say,
+    "n/a" where it has none (``runtime_name`` None: host memcpy)."""
+    version = backend.runtime_version if backend is not None else None
+    if version:
+        return version
+    return "unknown" if backend is not None and backend.runtime_name is not None else "n/a"
+
+
 def describe_environment(backend: DmaCopyBackend | None, device: torch.device) -> dict:
     """Versions, copy path and settings, as plain JSON values; "unknown" where not found."""
-    has_runtime = backend is not None and backend.runtime_name is not None
     return {
         "device": str(device),
         "device_name": _device_name(device),
-        "runtime_version": (backend.runtime_version or "unknown") if has_runtime else "n/a",
+        "runtime_version": _runtime_version(backend),
         "copy_path": (backend.copy_path if backend is not None else None) or "unknown",
         "copy_mode": copy_mode(backend) if backend is not None else "unknown",
         "kvoffload_hal": kvoffload_hal.__version__,

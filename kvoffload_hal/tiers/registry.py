@@ -44,7 +44,7 @@ def register_tier(name: str, target: str) -> None:
     """Register ``name`` -> ``"module:SpecClass"`` (a :class:`TierSpec` subclass)."""
     if name in _BUILTIN:
         raise ValueError(f"tier name {name!r} is reserved")
-    check_target("tier", target)
+    check_target("tier", target, "SpecClass")
     _registered[name] = target
 
 

@@ -73,4 +73,5 @@ class FailingStoresBackend(CpuCopyBackend):
 
 for _cls in (SlowCpuBackend, GatedCpuBackend, CountingCpuBackend, FailingLoadsBackend,
              FailingStoresBackend):
-    register_backend(_cls.name, f"{__name__}:{_cls.__name__}", _cls.synchronous_compute)
+    register_backend(_cls.name, f"{__name__}:{_cls.__name__}",
+                     synchronous_compute=_cls.synchronous_compute)

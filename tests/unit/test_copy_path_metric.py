@@ -14,6 +14,7 @@ class SwitchingCpuBackend(CpuCopyBackend):
     NPU backends do when the runtime answers "not supported" (the copies stay real)."""
 
     name = "switching-cpu"
+    fallback_copy_paths = frozenset({"per-copy loop"})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -38,6 +39,7 @@ def test_a_copy_path_switch_is_counted_once_in_the_stats(make_engine):
     kv = engine.kv_storage.view(torch.uint8).view(engine.kv_storage.shape[0], -1)
     host = worker.host_buffer.view(worker.num_cpu_blocks, -1)
     assert worker.backend.copy_path == "batched call"
+    assert not worker.backend.copy_path_is_fallback
     for job_id, (gpu, cpu) in enumerate([(3, 7), (5, 1), (6, 2)]):
         kv[gpu].fill_(0x40 + job_id)
         worker.bind_connector_metadata(OffloadMetadata(store=StoreSpec(job_id, [gpu], [cpu])))
@@ -50,3 +52,4 @@ def test_a_copy_path_switch_is_counted_once_in_the_stats(make_engine):
         assert step is not None
         assert step.reduce()["copy_path_fallbacks"] == (1 if job_id == 0 else 0)
     assert worker.totals.reduce()["copy_path_fallbacks"] == 1
+    assert worker.backend.copy_path_is_fallback

@@ -52,7 +52,8 @@ class OverwritingNeighbourBackend(CpuCopyBackend):
 
 
 for _cls in (CorruptingStoresBackend, OverwritingNeighbourBackend):
-    register_backend(_cls.name, f"{__name__}:{_cls.__name__}")
+    register_backend(_cls.name, f"{__name__}:{_cls.__name__}",
+                     synchronous_compute=_cls.synchronous_compute)
 
 
 def _run_json(capsys, *args: str) -> tuple[int, dict]:

@@ -7,6 +7,21 @@ from pathlib import Path
 
 import numpy as np
 
+SOURCE = Path(__file__).with_name("fake_ascendcl.c")
+
+# Runtime variants, as -D flags of fake_ascendcl.c.
+VARIANTS = {
+    "full": [],  # CANN 9.1+: V2 and the 10-argument batch
+    "v1": ["-DFAKE_NO_V2"],  # CANN 8.3.RC1 - 9.0: 10-argument batch only
+    "v2": ["-DFAKE_NO_V1"],  # V2 only
+    "none": ["-DFAKE_NO_V1", "-DFAKE_NO_V2"],  # older CANN: per-copy fallback
+    "failing": ["-DFAKE_NO_V2", "-DFAKE_FAIL_INDEX=2"],  # 10-argument batch reports failIndex 2
+    # Chips without batch copy (910, 310P, 200I/500 A2): the symbols exist, the calls answer
+    # ACL_ERROR_RT_FEATURE_NOT_SUPPORT, on CANN 9.1+ (V2 first) and on 8.3 - 9.0.
+    "unsupported": ["-DFAKE_BATCH_UNSUPPORTED"],
+    "unsupported_v1": ["-DFAKE_NO_V2", "-DFAKE_BATCH_UNSUPPORTED"],
+}
+
 
 class FakeAcl:
     """The test hooks of one loaded fake library variant."""
