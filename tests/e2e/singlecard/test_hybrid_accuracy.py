@@ -24,6 +24,7 @@ from support.engines import drain_transfers
 pytestmark = pytest.mark.e2e
 
 NUM_DOCS = 10
+CPU_BLOCKS_WITH_DISK = 32
 MODELS = {
     # device blocks, words per document, max_model_len, dtype, the block size vLLM
     # uses and the KV bytes a block id covers (one layer per group: the largest page,
@@ -119,11 +120,12 @@ def test_outputs_identical_and_served_from_cpu(baseline, lazy):
 def test_outputs_identical_and_served_from_disk(baseline, tmp_path):
     model, model_dir, base = baseline
     page = MODELS[model]["page"]
-    spec = _spec(model, model_dir, offload=True, cpu_bytes_to_use=8 * page,
+    # Room for about two documents' blocks (every group's): the rest comes from disk.
+    spec = _spec(model, model_dir, offload=True, cpu_bytes_to_use=CPU_BLOCKS_WITH_DISK * page,
                  extra_config={"disk_path": str(tmp_path / "kv"),
                                "disk_bytes_to_use": 400 * page})
     outputs, summary = _run(spec, _workload(model))
-    assert summary["cpu_blocks"] == 8  # far less than the documents' blocks
+    assert summary["cpu_blocks"] == CPU_BLOCKS_WITH_DISK
     assert summary["totals"]["blocks_from_disk"] > 0
     _check(model, outputs, summary, base)
 
@@ -164,11 +166,16 @@ def test_a_mamba_state_is_used_only_at_its_own_position(request):
     model_dir = _model_dir(request, "qwen3_next")
     prompts, first_again = _diverging_prompts()
     base, _ = _run(_spec("qwen3_next", model_dir), prompts)
-    assert all(cached == 0 for cached, _, _ in base[first_again:])
     outputs, summary = _run(_spec("qwen3_next", model_dir, offload=True), prompts)
     assert [t for _, t, _ in outputs] == [t for _, t, _ in base]
     for (_, _, lp), (_, _, base_lp) in zip(outputs, base):
         assert lp == pytest.approx(base_lp, abs=1e-4)
-    hits = [cached for cached, _, _ in outputs[first_again:]]
-    assert all(h > 0 and h % 160 == 0 for h in hits), hits
-    assert summary["totals"]["cpu_hit_tokens"] == sum(hits)
+    # Asked again whole, each document finds more than the device still has (at
+    # most the shared first block, brought back by the first of them), in whole
+    # 160-token blocks: its own blocks, states included, came from the CPU tier.
+    whole = slice(first_again, first_again + 4)
+    device = [c for c, _, _ in base[whole]]
+    hits = [c for c, _, _ in outputs[whole]]
+    assert device[0] == 0 and all(d in (0, 160) for d in device), device
+    assert all(h > d and h % 160 == 0 for h, d in zip(hits, device)), (hits, device)
+    assert summary["totals"]["cpu_hit_tokens"] >= sum(h - d for h, d in zip(hits, device))
