@@ -5,7 +5,11 @@
   group next to a full-attention group.
 * **Qwen3-Next** (``Qwen3NextForCausalLM``): Gated DeltaNet (linear attention,
   a Mamba-like state) layers around one full-attention layer, and a small MoE.
-  vLLM's CPU Gated DeltaNet kernel needs key and value head dims of 128.
+  vLLM's CPU Gated DeltaNet kernel needs key and value head dims of 128. The
+  state decays slowly (``exp(A_log)`` = :data:`GDN_DECAY`, so it keeps about a
+  hundred tokens): with transformers' initialisation (``exp(A_log)`` up to 16)
+  it forgot a token within one or two more, and a wrong state left no trace in
+  the output once a few tokens were recomputed after a hit.
 
 Both share the Llama builder's tokenizer. Gemma 3 is float32, which keeps greedy
 outputs free of bf16 rounding noise; vLLM's CPU Gated DeltaNet runs in bfloat16
@@ -13,6 +17,8 @@ only (Qwen3-Next then uses the block size vLLM derives to fit its state: 160).
 """
 
 from __future__ import annotations
+
+import math
 
 from kvoffload_hal.demo.tiny_model import build_tokenizer, is_built, write_stamp
 
@@ -38,10 +44,13 @@ QWEN3_NEXT = dict(
 
 
 DTYPES = {"gemma3": "float32", "qwen3_next": "bfloat16"}
+GDN_DECAY = 0.01  # Gated DeltaNet: exp(A_log), the scale of the per-token state decay
 
 
 def _build(out_dir: str, kind: str, fields: dict, seed: int) -> str:
     spec = {"kind": kind, "seed": seed, "dtype": DTYPES[kind], **fields}
+    if kind == "qwen3_next":
+        spec["gdn_decay"] = GDN_DECAY
     if is_built(out_dir, spec):
         return out_dir
     import torch
@@ -58,8 +67,12 @@ def _build(out_dir: str, kind: str, fields: dict, seed: int) -> str:
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
         torch_dtype=DTYPES[kind], initializer_range=0.2, **fields)
-    model = model_cls(config).to(getattr(torch, DTYPES[kind]))
-    model.save_pretrained(out_dir)
+    model = model_cls(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.fill_(math.log(GDN_DECAY))
+    model.to(getattr(torch, DTYPES[kind])).save_pretrained(out_dir)
     write_stamp(out_dir, spec)
     return out_dir
 
