@@ -24,6 +24,8 @@ COUNTERS: dict[str, str] = {
     "blocks_stored": "KV blocks copied device->CPU and published in the CPU tier",
     "blocks_loaded": "KV blocks copied CPU->device for prefix hits",
     "cpu_hit_tokens": "Prompt tokens served from the CPU tier instead of recomputed",
+    "shared_load_waits": "Requests that waited for another request's load of the same CPU "
+                         "blocks (then hit the device prefix cache) instead of copying them again",
     "bytes_stored": "Bytes copied device->CPU (per rank, summed)",
     "bytes_loaded": "Bytes copied CPU->device (per rank, summed)",
     "store_seconds": "Time spent in device->CPU copies",
@@ -53,6 +55,9 @@ class _Recorder:
     def record_load(self, num_blocks: int, num_tokens: int) -> None:
         self._add("blocks_loaded", num_blocks)
         self._add("cpu_hit_tokens", num_tokens)
+
+    def record_shared_load_wait(self) -> None:
+        self._add("shared_load_waits", 1)
 
     def record_disk(self, spilled: int, promoted: int) -> None:
         if spilled:

@@ -129,6 +129,8 @@ class OffloadScheduler:
         if start >= len(request.block_hashes) or max_hit_tokens <= 0:
             return 0, False
         hit, hit_tokens = self.cpu.find_hit(request.block_hashes, start, max_hit_tokens)
+        if hit_tokens > 0 and self.loads.wait_for_shared_load(req_id, hit):
+            return None, False  # another request's load brings these blocks: ask later
         # Without a secondary tier a CPU miss is final (most waiting requests, most steps).
         if self.caps.secondary_tier and self.cascade.lookup(
                 request, hit, (num_computed_tokens + hit_tokens) // self.block_size,

@@ -12,6 +12,16 @@ A load goes through four states:
    A successful load counts as a CPU-tier use; a failed one drops the CPU
    copies (a retry would fail the same way). Both pins go.
 
+**One copy per block.** vLLM caches an asynchronously loaded request's device
+blocks only once its load is over, so a second request on the same prefix
+would see no device hit and copy the same CPU blocks again, into blocks of its
+own. A CPU block being loaded is therefore *busy* (:meth:`LoadJobs.busy`): a
+request whose hit needs one waits (the scheduler answers ``None``), and takes
+the device prefix-cache hit once the first load has landed. A landed load's
+blocks stay busy until the scheduler's next step has cached them on the
+device; a load whose request was aborted or whose copy failed leaves them to
+the next request's own hit or recompute.
+
 A failed load is recomputed by vLLM. Where vLLM cannot be told per request
 (vLLM < 0.32, a model with several KV cache groups; see
 :data:`~kvoffload_hal.capabilities.LOAD_RECOVERIES`), the load is sent again
@@ -22,6 +32,7 @@ blocks is read.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -80,6 +91,11 @@ class LoadJobs:
         self._loads: dict[str, _Load] = {}
         # Synchronous jobs are reported by every rank; asynchronous ones per request.
         self._jobs: JobBook[list[str]] = JobBook(world_size)
+        # CPU blocks a planned or unreported load reads, and those of loads that
+        # ended since the last step (the device caches them in the next one).
+        self._busy: Counter[int] = Counter()
+        self._landed: list[list[int]] = []
+        self._waiting: set[str] = set()  # requests that waited for another's load
 
     def bind(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
@@ -87,6 +103,18 @@ class LoadJobs:
     def in_flight(self, req_id: str) -> bool:
         """A load for the request is planned or sent and not over."""
         return req_id in self._loads
+
+    def wait_for_shared_load(self, req_id: str, hit: Hit) -> bool:
+        """True when a load in flight (or just landed) already copies a block of
+        ``hit``: the request asks again once it is in the device prefix cache."""
+        busy = self._busy
+        if not busy or not any(b.block_id in busy for group in hit for b in group
+                               if not b.is_null):
+            return False
+        if req_id not in self._waiting:
+            self._waiting.add(req_id)
+            self.stats.record_shared_load_wait()
+        return True
 
     # --------------------------------------------------------------- hits
     def hold_hit(self, req_id: str, hit: Hit, num_computed_tokens: int) -> None:
@@ -123,11 +151,20 @@ class LoadJobs:
         self.cpu.unpin_hit(pending.blocks)
         # The request could be aborted mid-copy: keep its device blocks ours.
         pin_ids(self._gpu_pool(), gpu_ids)
-        self._loads[req_id] = _Load(gpu_ids, [b.block_id for b in taken], num_external_tokens)
+        cpu_ids = [b.block_id for b in taken]
+        self._busy.update(cpu_ids)
+        self._loads[req_id] = _Load(gpu_ids, cpu_ids, num_external_tokens)
 
     # --------------------------------------------------------- send, report
     def take_job(self) -> LoadSpec | None:
-        """This step's planned loads as one job, or None."""
+        """This step's planned loads as one job, or None. Loads that landed
+        before this step was scheduled are in the device prefix cache now: their
+        blocks are no longer busy."""
+        if self._landed:
+            for cpu_ids in self._landed:
+                self._busy.subtract(cpu_ids)
+            self._landed.clear()
+            self._busy = +self._busy  # without the blocks no load reads any more
         new_loads = [(r, ld) for r, ld in self._loads.items() if ld.job_id is None]
         if not new_loads:
             return None
@@ -195,6 +232,7 @@ class LoadJobs:
         self._release(load)
 
     def _release(self, load: _Load) -> None:
+        self._landed.append(load.cpu_ids)
         self.cpu.unpin_ids(load.cpu_ids)
         unpin_ids(self._gpu_pool(), load.gpu_ids)
 
@@ -203,6 +241,7 @@ class LoadJobs:
         """True while vLLM must keep the request: an asynchronous load of it is in flight."""
         self.release_hit(req_id)
         self._failed.discard(req_id)
+        self._waiting.discard(req_id)
         load = self._loads.get(req_id)
         if load is None:
             return False

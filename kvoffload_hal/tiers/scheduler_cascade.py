@@ -102,6 +102,7 @@ class TierCascade(NullCascade):
         self._promoting: dict[str, _TierJob] = {}
         self._promoted: dict[str, list[KVCacheBlock]] = {}
         self._no_promotion: set[str] = set()
+        self._keys_promoting: set[BlockKey] = set()  # one promotion per key at a time
         self.groups = GroupKeys.of(cpu)
 
     # --------------------------------------------------------------- spill
@@ -142,10 +143,11 @@ class TierCascade(NullCascade):
         held = self.cpu.cached(h for bh in positions for _, h in self.groups.at(bh))
         self.cpu.pin(held)
         try:
-            chosen = self.groups.plan(positions, self.index.is_ready, self.cpu.holds,
+            # A block another request's promotion brings counts as on its way.
+            chosen = self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
                                       self.cpu.num_free_blocks())
             if not chosen:
-                return False
+                return self._waits_for_others(positions)
             keys, hashes = (list(x) for x in zip(*chosen))
             self.index.pin(keys)
             job = _TierJob(True, keys, self.cpu.allocate(len(keys)), hashes, req_id)
@@ -153,7 +155,18 @@ class TierCascade(NullCascade):
             self.cpu.unpin(held)
         self._queued.append(job)
         self._promoting[req_id] = job
+        self._keys_promoting.update(keys)
         return True
+
+    def _in_cpu_soon(self, block_hash: Any) -> bool:
+        return self.cpu.holds(block_hash) or (
+            bool(self._keys_promoting) and block_hash.hex() in self._keys_promoting)
+
+    def _waits_for_others(self, positions: list[Any]) -> bool:
+        """Whether another request's promotion brings blocks of ``positions``: this
+        request asks again once they are in the CPU tier, and loads them from there."""
+        promoting = self._keys_promoting
+        return bool(promoting) and any(k in promoting for k in self.groups.keys(positions))
 
     def _release_promoted(self, req_id: str) -> None:
         """Drop the pins kept on promoted blocks once the request looked them up again."""
@@ -205,6 +218,7 @@ class TierCascade(NullCascade):
         self.cpu.unpin(job.blocks)
 
     def _finish_promotion(self, job: _TierJob) -> None:
+        self._keys_promoting.difference_update(job.keys)
         self.index.unpin(job.keys)
         self.index.drop(job.failed)
         # Publish up to the first failed key: a prefix hit must be contiguous.
@@ -233,6 +247,7 @@ class TierCascade(NullCascade):
                     job.abandoned = True
         for job in self._queued:  # never sent: release now
             if job.promote:
+                self._keys_promoting.difference_update(job.keys)
                 self.index.unpin(job.keys)
                 if job.req_id is not None:
                     self._promoting.pop(job.req_id, None)

@@ -78,6 +78,7 @@ class SharedTierCascade(TierCascade):
         self._clock = clock
         self._probes: dict[str, _Probe] = {}
         self._promote_started: dict[str, float] = {}
+        self._waiting_since: dict[str, float] = {}  # on another request's promotion
 
     def _promote(self, request: Request, first_block: int, end_block: int) -> bool:
         req_id = request.request_id
@@ -101,7 +102,10 @@ class SharedTierCascade(TierCascade):
             self._probes[req_id] = _Probe(req_id, keys, now)
             return True  # ask the store (once per request); the request asks again later
         if super()._promote(request, first_block, end_block):
-            self._promote_started[req_id] = now
+            if req_id in self._promoting:
+                self._promote_started[req_id] = now
+            elif now - self._waiting_since.setdefault(req_id, now) > self.timeout_s:
+                return self._give_up(req_id)  # another request's promotion, too slow
             return True
         self._no_promotion.add(req_id)  # the store holds nothing more for it
         return False
@@ -115,6 +119,7 @@ class SharedTierCascade(TierCascade):
         super().request_finished(req_id)
         self._probes.pop(req_id, None)
         self._promote_started.pop(req_id, None)
+        self._waiting_since.pop(req_id, None)
 
     # ---------------------------------------------------------- per step
     def take_jobs(self) -> TierJobs:

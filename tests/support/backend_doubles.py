@@ -28,6 +28,20 @@ class SlowCpuBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
+class BandwidthBoundCpuBackend(CpuCopyBackend):
+    """A saturated copy link: each launch takes time in proportion to its bytes
+    (:attr:`seconds_per_byte`), launches one after another on the copy thread,
+    and the worker does not wait for them (as on a device)."""
+
+    name = "bandwidth-bound"
+    synchronous_compute = False
+    seconds_per_byte = 1e-3 / 2048  # 1 ms per engine-harness block of 2 KiB
+
+    def _launch(self, direction, batch, fence):
+        time.sleep(float(batch.sizes.sum()) * self.seconds_per_byte)
+        return super()._launch(direction, batch, fence)
+
+
 class GatedCpuBackend(CpuCopyBackend):
     """Each copy waits for :attr:`gate` (a copy that outlives shutdown's wait)."""
 
@@ -62,6 +76,13 @@ class FailingLoadsBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
+class AsyncFailingLoadsBackend(FailingLoadsBackend):
+    """Failing loads, reported per request as a device backend's are (async loads)."""
+
+    name = "failing-loads-async"
+    synchronous_compute = False
+
+
 class FailingStoresBackend(CpuCopyBackend):
     name = "failing-stores"
 
@@ -71,7 +92,7 @@ class FailingStoresBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
-for _cls in (SlowCpuBackend, GatedCpuBackend, CountingCpuBackend, FailingLoadsBackend,
-             FailingStoresBackend):
+for _cls in (SlowCpuBackend, BandwidthBoundCpuBackend, GatedCpuBackend, CountingCpuBackend,
+             FailingLoadsBackend, AsyncFailingLoadsBackend, FailingStoresBackend):
     register_backend(_cls.name, f"{__name__}:{_cls.__name__}",
                      synchronous_compute=_cls.synchronous_compute)

@@ -97,3 +97,47 @@ def test_evictions_never_reach_the_shared_store(shared):
     index.learn(["a", "b", "c"])  # over capacity: the oldest is forgotten here only
     assert "a" not in index and index.is_ready("c")
     assert index.take_evicted() == []
+
+
+def _twin(engine, req):
+    """A second request on the same prompt."""
+    twin = engine.add(f"{req.request_id}-twin", list(req.prompt_token_ids))
+    engine.scheduler.waiting.remove(twin)
+    return twin
+
+
+def test_a_second_request_waits_for_the_first_ones_promotion(shared):
+    engine, cpu, tiers, _ = shared
+    req = _request(engine, 3)
+    twin = _twin(engine, req)
+    tiers.index.learn(_keys(req, 3))
+    assert tiers.lookup(req, (), 0, 3) is True
+    promote = tiers.take_jobs().promote
+    assert len(promote.items) == 3
+    assert tiers.lookup(twin, (), 0, 3) is True  # waits for the same blocks
+    assert tiers.take_jobs().promote is None  # and promotes none of them again
+    tiers.on_reports({promote.job_id: JobReport(ranks=2)})
+    hit, tokens = cpu.find_hit(twin.block_hashes, 0, 10_000)
+    assert tokens == 3 * BS
+    assert tiers.lookup(twin, hit, 3, 3) is False
+    assert tiers.stats.totals.data["blocks_from_mooncake"] == 3
+    for r in (req, twin):
+        tiers.request_finished(r.request_id)
+    assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
+
+
+def test_a_request_waiting_on_a_frozen_promotion_recomputes_after_the_timeout(shared):
+    engine, cpu, tiers, clock = shared
+    req = _request(engine, 3)
+    twin = _twin(engine, req)
+    tiers.index.learn(_keys(req, 3))
+    assert tiers.lookup(req, (), 0, 3) is True
+    promote = tiers.take_jobs().promote
+    assert tiers.lookup(twin, (), 0, 3) is True
+    clock.now += TIMEOUT_S + 0.1
+    assert tiers.lookup(twin, (), 0, 3) is False  # stops waiting, recomputes
+    assert tiers.stats.totals.data["mooncake_timeouts"] == 1
+    for r in (req, twin):
+        tiers.request_finished(r.request_id)
+    tiers.on_reports({promote.job_id: JobReport(ranks=2)})
+    assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
