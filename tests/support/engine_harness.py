@@ -116,7 +116,7 @@ class Engine:
                  block_size: int = 16, lazy: bool = False, sliding_window: int | None = None,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 32,
                  ranks: int = 1, extra_config: dict | None = None,
-                 kv_events: bool = False) -> None:
+                 kv_events: bool = False, scheduling_policy: str = "fcfs") -> None:
         self.block_size = block_size
         groups = [FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
                                     head_size=HEAD_DIM, dtype=torch.bfloat16)]
@@ -138,7 +138,7 @@ class Engine:
                               if kv_events else None),
             model=model_dir, block_size=block_size, enable_prefix_caching=True,
             max_model_len=2048, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enforce_eager=True,
+            max_num_seqs=max_num_seqs, enforce_eager=True, scheduling_policy=scheduling_policy,
             kv_transfer_config=offload_transfer_config(
                 cpu_bytes_to_use=cpu_bytes, lazy_offload=lazy, **(extra_config or {})),
         )
@@ -171,10 +171,11 @@ class Engine:
         self.published: Counter[str] = Counter()  # connector stats as vLLM published them
 
     # ------------------------------------------------------------ requests
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
+            priority: int = 0) -> Request:
         req = Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                                                      temperature=0.0), None,
-                      block_hasher=self._hasher)
+                      block_hasher=self._hasher, priority=priority)
         self.scheduler.add_request(req)
         self.outputs[req_id] = []
         return req

@@ -105,6 +105,27 @@ def test_requests_arriving_while_a_load_is_in_flight_wait_for_it(make_engine, ga
     engine.assert_idle()
 
 
+def test_a_waiter_ahead_of_the_owner_in_the_queue_still_waits_for_the_device_hit(
+        make_engine, gate):
+    """The landed blocks stay busy until the step that caches them on the device, even
+    for a waiter vLLM looks at before the owner (here by priority). vLLM >= 0.32
+    looks at requests holding device blocks first; 0.23 keeps one queue."""
+    engine = make_engine(backend="gated-cpu", num_gpu_blocks=96, cpu_blocks=64,
+                         scheduling_policy="priority")
+    prefix = _prefix(5)
+    _offloaded_prefix(engine, prefix)
+    gate.clear()
+    engine.add("owner", prefix + [2, 3], priority=1)
+    engine.step()
+    engine.add("first", prefix + [4, 3], priority=0)  # ahead of the owner in the queue
+    engine.step()
+    gate.set()
+    _first_token_steps(engine, ["owner", "first"])
+    engine.drain()
+    assert engine.offload.totals.data["blocks_loaded"] == PREFIX_BLOCKS
+    engine.assert_idle()
+
+
 def test_an_aborted_owner_leaves_the_prefix_to_a_waiter(make_engine, gate):
     engine = _engine(make_engine, backend="gated-cpu")
     prefix = _prefix(2)
