@@ -60,6 +60,10 @@ ACL_SUCCESS = 0
 # CANN docs list as unsupported (Atlas training 910, Atlas inference 310P, Atlas 200I/500 A2),
 # although the symbols are exported on every CANN >= 8.3.
 ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
+# ACL_ERROR_RT_MEMORY_ALLOCATION (rt_error_codes.h): what aclrtMallocHost answers when it
+# cannot pin the memory asked for, e.g. one call above about 200-250 GB on Atlas A2 (910B)
+# (LMCache-Ascend issue #242), although the host has the memory free.
+ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
 # failIndex is SIZE_MAX when the error is not tied to one descriptor.
 SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
 
@@ -69,7 +73,11 @@ PER_COPY = "aclrtMemcpyAsync"
 
 
 class AclError(RuntimeError):
-    """An ACL call returned a non-zero ``aclError``."""
+    """An ACL call returned a non-zero ``aclError`` (``code``, where one call is to blame)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class AclMemLocation(ctypes.Structure):
@@ -189,8 +197,11 @@ class AclRuntime:
         """Pinned host memory (64-byte aligned) of ``num_bytes``; returns its address."""
         ptr = ctypes.c_void_p()
         ret = self._malloc_host(ctypes.byref(ptr), num_bytes)
-        if ret != ACL_SUCCESS or not ptr.value:
-            raise AclError(f"aclrtMallocHost({num_bytes} bytes) failed with aclError {ret}")
+        if ret != ACL_SUCCESS:
+            raise AclError(f"aclrtMallocHost({num_bytes} bytes) failed with aclError {ret}",
+                           ret)
+        if not ptr.value:
+            raise AclError(f"aclrtMallocHost({num_bytes} bytes) returned success but no pointer")
         return ptr.value
 
     def free_host(self, ptr: int) -> None:

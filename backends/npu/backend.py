@@ -23,7 +23,11 @@ What this backend adds to :class:`~kvoffload_hal.hal.threaded.ThreadedCopyBacken
 * **Host memory.** :meth:`allocate_host` returns memory from ``aclrtMallocHost``
   (page-locked). Pageable memory would make the batch call silently
   synchronous, and ``aclrtHostRegister`` only yields a device-side mapping
-  that the runtime documents as unusable for memory copies.
+  that the runtime documents as unusable for memory copies. One call above
+  about 200-250 GB fails on Atlas A2, so :meth:`allocate_host_regions` lays
+  a large tier out over several calls of at most ``host_chunk_bytes``
+  (``KVOFFLOAD_HAL_NPU_HOST_CHUNK_BYTES``, default 64 GiB), never splitting a
+  region (:mod:`~kvoffload_hal.backends.npu._host`).
 
 torch_npu is imported when the backend is constructed, never at module import,
 so ``import kvoffload_hal.backends.npu`` works on machines without CANN.
@@ -31,19 +35,25 @@ so ``import kvoffload_hal.backends.npu`` works on machines without CANN.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import importlib.util
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvoffload_hal.backends.npu._acl import PER_COPY, AclRuntime, load_acl_library
+from kvoffload_hal.backends.npu._host import (
+    DEFAULT_HOST_CHUNK_BYTES,
+    HOST_CHUNK_BYTES_ENV,
+    HostChunks,
+    NpuHostMemory,
+)
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from kvoffload_hal.hal.plumbing import env_int, log_once
-from kvoffload_hal.hal.regions import CopyBatch
+from kvoffload_hal.hal.regions import BlockRegion, CopyBatch
 from kvoffload_hal.hal.threaded import ThreadedCopyBackend
 from kvoffload_hal.logger import init_logger
 
@@ -82,14 +92,18 @@ class NpuCopyBackend(ThreadedCopyBackend):
     runtime_name = "AscendCL"
     fallback_copy_paths = frozenset({PER_COPY})
 
-    def __init__(self, device=None, max_batch_descriptors: int | None = None) -> None:
+    def __init__(self, device=None, max_batch_descriptors: int | None = None,
+                 host_chunk_bytes: int | None = None) -> None:
         super().__init__(device)
         importlib.import_module("torch_npu")  # registers torch.npu; needs CANN
         self._npu = torch.npu
         if max_batch_descriptors is None:
             max_batch_descriptors = env_int(MAX_DESCRIPTORS_ENV, DEFAULT_MAX_BATCH_DESCRIPTORS,
                                             minimum=1)
+        if host_chunk_bytes is None:
+            host_chunk_bytes = env_int(HOST_CHUNK_BYTES_ENV, DEFAULT_HOST_CHUNK_BYTES, minimum=1)
         self._acl = AclRuntime(load_acl_library(), max_batch_descriptors)
+        self._host = NpuHostMemory(self._acl, host_chunk_bytes)
         _log_copy_path_once(self._acl.path)
         if self.device is not None and self.device.index is not None:
             self._device_index = self.device.index
@@ -97,7 +111,6 @@ class NpuCopyBackend(ThreadedCopyBackend):
             self._device_index = int(self._npu.current_device())
         self._streams: dict[Direction, Any] = {}
         self._copy_thread_bound = False  # touched by the copy thread only
-        self._host_allocs: dict[int, int] = {}  # tensor data_ptr -> aclrtMallocHost pointer
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -134,23 +147,34 @@ class NpuCopyBackend(ThreadedCopyBackend):
     def allocate_host(self, num_bytes: int) -> torch.Tensor:
         """One contiguous ``aclrtMallocHost`` block as a 1-D uint8 tensor.
 
-        One call, not chunks: host regions are laid out back to back from one
-        base pointer. The tensor does not own the memory; :meth:`free_host`
-        returns it to ACL, after which the tensor must not be used.
+        One call whatever the size, since separate calls return unrelated
+        addresses; :meth:`allocate_host_regions` is the chunked form. The tensor
+        does not own the memory; :meth:`free_host` returns it to ACL, after
+        which the tensor must not be used.
         """
-        if num_bytes <= 0:
-            raise ValueError(f"host allocation must be positive, got {num_bytes} bytes")
-        ptr = self._acl.malloc_host(num_bytes)
-        tensor = torch.frombuffer((ctypes.c_uint8 * num_bytes).from_address(ptr),
-                                  dtype=torch.uint8)
-        self._host_allocs[tensor.data_ptr()] = ptr
-        return tensor
+        return self._host.allocate(num_bytes)
 
     def free_host(self, tensor: torch.Tensor) -> None:
-        ptr = self._host_allocs.pop(tensor.data_ptr(), None)
-        if ptr is None:
-            raise ValueError("free_host: this tensor was not allocated by this backend")
-        self._acl.free_host(ptr)
+        self._host.free(tensor)
+
+    def allocate_host_regions(self, device_regions: Sequence[BlockRegion],
+                              num_host_blocks: int) -> HostChunks:
+        """Host regions mirroring ``device_regions``, ``num_host_blocks`` blocks each, over
+        ``aclrtMallocHost`` calls of at most ``host_chunk_bytes``; no region is split.
+
+        Pass ``.regions`` to :meth:`bind`; give the memory back with
+        :meth:`free_host_regions` once no job can touch it (after ``shutdown``).
+        """
+        return self._host.allocate_regions(device_regions, num_host_blocks)
+
+    def free_host_regions(self, tier: HostChunks) -> None:
+        """``aclrtFreeHost`` every chunk of ``tier``; its tensors must not be used after."""
+        self._host.free_regions(tier)
+
+    @property
+    def host_chunk_bytes(self) -> int:
+        """The most bytes one ``aclrtMallocHost`` call of :meth:`allocate_host_regions` asks."""
+        return self._host.chunk_bytes
 
     # ------------------------------------------------------------------ hooks
     def _start(self) -> None:
@@ -202,6 +226,6 @@ class NpuCopyBackend(ThreadedCopyBackend):
         for stream in self._streams.values():
             stream.synchronize()
         self._streams = {}
-        if self._host_allocs:
+        if len(self._host):
             logger.debug("npu backend stopped with %d host allocation(s) not freed",
-                         len(self._host_allocs))
+                         len(self._host))

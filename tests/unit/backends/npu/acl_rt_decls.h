@@ -30,6 +30,10 @@ typedef void *aclrtStream;
 #define ACL_ERROR_INVALID_PARAM 100000
 #define ACL_ERROR_RT_PARAM_INVALID 107000
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
+/* rt_error_codes.h, CANN 8.5.0: ACL_ERROR_RT_MEMORY_ALLOCATION. What one aclrtMallocHost
+ * call above about 200-250 GB answered on Atlas A2 (910B) with the memory free
+ * (LMCache-Ascend issue #242). */
+#define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
 
 /* acl_rt.h, CANN 8.1.RC1 API reference, "aclrtMemLocationType" (HOST is reserved
  * before 8.1.RC1, supported from it). */

@@ -32,9 +32,11 @@ class FakeAcl:
         for fn in ("fake_max_num_batches", "fake_last_num_batches", "fake_last_num_attrs",
                    "fake_last_attr_index0", "fake_last_stream", "fake_last_sync_stream"):
             getattr(self.lib, fn).restype = ctypes.c_size_t
+        self.lib.fake_max_malloc_host_size.restype = ctypes.c_size_t
+        self.lib.fake_set_malloc_host_limit.argtypes = [ctypes.c_size_t]
         for fn in ("fake_v1_calls", "fake_v2_calls", "fake_copy_calls", "fake_total_calls",
                    "fake_live_host_allocs", "fake_sync_calls", "fake_sync_after_calls",
-                   "fake_unsupported_calls"):
+                   "fake_unsupported_calls", "fake_malloc_host_calls"):
             getattr(self.lib, fn).restype = ctypes.c_long
         self.lib.fake_add_device_memory.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
                                                     ctypes.c_uint32]

@@ -28,7 +28,12 @@
  * Build both NO flags for a runtime without any batch symbol (per-copy fallback).
  *
  * At run time, fake_fail_call(n, code) makes the n-th copy call (batch or
- * per-copy, counted from now, 1-based) return `code` without copying.
+ * per-copy, counted from now, 1-based) return `code` without copying, and
+ * fake_set_malloc_host_limit(n) makes every aclrtMallocHost call asking for more
+ * than n bytes answer ACL_ERROR_RT_MEMORY_ALLOCATION, as one call above about
+ * 200-250 GB does on Atlas A2 (910B) (0: no limit). The fake counts
+ * aclrtMallocHost calls, the largest size one asked for, and the host
+ * allocations not freed yet.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -45,6 +50,8 @@
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static long g_v1_calls, g_v2_calls, g_copy_calls, g_total_calls;
 static long g_live_host_allocs;
+static size_t g_malloc_host_limit, g_max_malloc_host_size; /* limit 0: none */
+static long g_malloc_host_calls;
 static size_t g_max_num_batches, g_last_num_batches, g_last_num_attrs, g_last_attr_index0;
 static uint8_t g_last_attr[sizeof(aclrtMemcpyBatchAttr)];
 static uintptr_t g_last_stream;
@@ -65,6 +72,9 @@ long fake_v2_calls(void) { return g_v2_calls; }
 long fake_copy_calls(void) { return g_copy_calls; }
 long fake_total_calls(void) { return g_total_calls; }
 long fake_live_host_allocs(void) { return g_live_host_allocs; }
+long fake_malloc_host_calls(void) { return g_malloc_host_calls; }
+size_t fake_max_malloc_host_size(void) { return g_max_malloc_host_size; }
+void fake_set_malloc_host_limit(size_t limit) { g_malloc_host_limit = limit; }
 size_t fake_max_num_batches(void) { return g_max_num_batches; }
 size_t fake_last_num_batches(void) { return g_last_num_batches; }
 size_t fake_last_num_attrs(void) { return g_last_num_attrs; }
@@ -138,6 +148,8 @@ void fake_reset(void) {
     g_last_sync_stream = 0;
     g_unsupported_calls = 0;
     g_num_device = 0;
+    g_malloc_host_limit = g_max_malloc_host_size = 0;
+    g_malloc_host_calls = 0; /* not g_live_host_allocs: memory may outlive a reset */
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -158,6 +170,12 @@ aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion, int32_t *
 /* ----------------------------------------------------------- host memory */
 aclError aclrtMallocHost(void **hostPtr, size_t size) {
     if (hostPtr == NULL || size == 0) return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&g_lock);
+    g_malloc_host_calls++;
+    if (size > g_max_malloc_host_size) g_max_malloc_host_size = size;
+    int over = g_malloc_host_limit > 0 && size > g_malloc_host_limit;
+    pthread_mutex_unlock(&g_lock);
+    if (over) return ACL_ERROR_RT_MEMORY_ALLOCATION; /* nothing allocated */
     void *p = NULL;
     if (posix_memalign(&p, 64, size) != 0) return ACL_ERROR_INVALID_PARAM;
     __atomic_add_fetch(&g_live_host_allocs, 1, __ATOMIC_SEQ_CST);
