@@ -35,11 +35,11 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from kvoffload_hal.backends.npu._acl import ACL_ERROR_RT_MEMORY_ALLOCATION, AclError, AclRuntime
+from kvoffload_hal.hal.host import HostChunks
 from kvoffload_hal.hal.regions import BlockRegion
 from kvoffload_hal.logger import init_logger
 
@@ -53,33 +53,6 @@ HOST_CHUNK_BYTES_ENV = "KVOFFLOAD_HAL_NPU_HOST_CHUNK_BYTES"
 DEFAULT_HOST_CHUNK_BYTES = 64 << 30
 
 GiB = float(1 << 30)
-
-
-@dataclass(frozen=True)
-class HostChunks:
-    """The CPU tier's host memory as ``aclrtMallocHost`` chunks.
-
-    ``regions[i]`` mirrors device region ``i`` (pass them to ``bind``) and lies
-    wholly inside ``chunks[chunk_of[i]]``.
-    """
-
-    chunks: tuple[torch.Tensor, ...]  # 1-D uint8, one per aclrtMallocHost call
-    regions: tuple[BlockRegion, ...]
-    chunk_of: tuple[int, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(c.numel() for c in self.chunks)
-
-    def region_views(self) -> list[torch.Tensor]:
-        """One uint8 ``[num_blocks, block_bytes]`` view per region, into its chunk."""
-        views = []
-        for region, k in zip(self.regions, self.chunk_of):
-            chunk = self.chunks[k]
-            offset = region.base_ptr - chunk.data_ptr()
-            views.append(chunk[offset:offset + region.num_blocks * region.block_bytes]
-                         .view(region.num_blocks, region.block_bytes))
-        return views
 
 
 def plan_host_chunks(region_bytes: Sequence[int], chunk_bytes: int) -> list[range]:

@@ -18,6 +18,13 @@ unless stated otherwise):
     release it (unregistering first). ``free_host`` is called only once no job
     touching the memory is in flight.
 
+``allocate_host_regions(device_regions, num_host_blocks)`` / ``free_host_regions(host)``
+    The CPU tier's host memory as the connector uses it: a dense host region
+    per device region, each wholly inside one allocation
+    (:class:`~kvoffload_hal.hal.host.HostChunks`). The default is one
+    ``allocate_host`` buffer; a backend whose runtime caps one allocation
+    spreads the regions over several (NPU: ``aclrtMallocHost`` chunks).
+
 ``describe_kv_tensor(tensor, num_blocks)``
     Describe one device KV tensor as block-addressable byte regions
     (:class:`~kvoffload_hal.hal.regions.BlockRegion`). The default derives them
@@ -77,7 +84,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from kvoffload_hal.hal.regions import BlockRegion, describe_kv_tensor
+from kvoffload_hal.hal.host import HostChunks, one_buffer
+from kvoffload_hal.hal.regions import BlockRegion, describe_kv_tensor, host_bytes_per_block
 
 __all__ = ["Direction", "DmaCopyBackend", "JobResult", "TransferJob"]
 
@@ -199,6 +207,20 @@ class DmaCopyBackend(ABC):
     @abstractmethod
     def free_host(self, tensor: torch.Tensor) -> None:
         """Release memory from :meth:`allocate_host` (unregister first where needed)."""
+
+    def allocate_host_regions(self, device_regions: Sequence[BlockRegion],
+                              num_host_blocks: int) -> HostChunks:
+        """The CPU tier's host memory: a region mirroring each device region,
+        ``num_host_blocks`` dense blocks each, none straddling two allocations.
+        Default: one :meth:`allocate_host` buffer; a backend whose runtime caps
+        one allocation overrides it (NPU)."""
+        buffer = self.allocate_host(num_host_blocks * host_bytes_per_block(device_regions))
+        return one_buffer(buffer, device_regions, num_host_blocks)
+
+    def free_host_regions(self, host: HostChunks) -> None:
+        """Release memory from :meth:`allocate_host_regions`, once no job can touch it."""
+        for chunk in host.chunks:
+            self.free_host(chunk)
 
     def describe_kv_tensor(self, tensor: torch.Tensor, num_blocks: int) -> list[BlockRegion]:
         """Device KV tensor -> block regions. Default: derived from shape and strides."""

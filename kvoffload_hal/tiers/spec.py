@@ -61,7 +61,7 @@ class WorkerTierContext:
 
     rank: int
     world_size: int
-    host_buffer: torch.Tensor  # the CPU tier's whole host buffer
+    host_chunks: tuple[torch.Tensor, ...]  # the CPU tier's host memory, 1-D uint8 buffers
     host_views: list[torch.Tensor]  # one uint8 [num_cpu_blocks, block_bytes] view per region
     fingerprint: bytes  # what a block's bytes depend on (tiers/identity.py)
 

@@ -25,8 +25,9 @@ import torch
 from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.hal import Direction, DmaCopyBackend, JobResult, TransferJob, create_backend
+from kvoffload_hal.hal.host import HostChunks
 from kvoffload_hal.hal.layouts import describe_kv_caches, flatten_kv_caches
-from kvoffload_hal.hal.regions import BlockRegion, host_bytes_per_block, host_regions_for
+from kvoffload_hal.hal.regions import host_bytes_per_block
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import (
     JobReport,
@@ -54,7 +55,7 @@ STATS_CARRIER_STEPS = 2  # see OffloadWorker.get_stats
 SHUTDOWN_TIMEOUT_S = 10.0
 # Host buffers a copy or tier IO may still use after shutdown gave up waiting:
 # kept referenced until the process exits, never freed under a running copy.
-_BUSY_AT_SHUTDOWN: list[torch.Tensor] = []
+_BUSY_AT_SHUTDOWN: list[HostChunks] = []
 
 
 @dataclass
@@ -80,7 +81,7 @@ class OffloadWorker:
         self.rank = _rank()
         self.backend: DmaCopyBackend | None = None
         self.tier: SecondaryTier = NullTier()
-        self.host_buffer: torch.Tensor | None = None
+        self.host: HostChunks | None = None  # the CPU tier's host memory
         self._unlaunched = _Unlaunched()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -103,34 +104,21 @@ class OffloadWorker:
         backend = create_backend(device=tensors[0].device)
         regions = describe_kv_caches(kv_caches, self.num_gpu_blocks, backend.describe_kv_tensor)
         bytes_per_block = host_bytes_per_block(regions)
-        self.host_buffer = backend.allocate_host(self.num_cpu_blocks * bytes_per_block)
-        host_regions = host_regions_for(regions, self.host_buffer.data_ptr(), self.num_cpu_blocks)
-        backend.bind(regions, host_regions)
+        self.host = backend.allocate_host_regions(regions, self.num_cpu_blocks)
+        backend.bind(regions, self.host.regions)
         self.backend = backend
         self._copy_path = CopyPathWatch(backend)
         if self.caps.secondary_tier:
             self.tier = build_worker_half(self.config.tier, True, WorkerTierContext(
-                self.rank, self.world_size, self.host_buffer,
-                self._host_block_views(host_regions),
+                self.rank, self.world_size, self.host.chunks, self.host.region_views(),
                 kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank,
                                self.kv_cache_config)))
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
-            "CPU tier %d blocks (%.2f GiB) on the %r backend",
+            "CPU tier %d blocks (%.2f GiB in %d host allocation(s)) on the %r backend",
             len(tensors), len(regions), bytes_per_block, self.num_cpu_blocks,
-            self.num_cpu_blocks * bytes_per_block / 2**30, backend.name,
+            self.num_cpu_blocks * bytes_per_block / 2**30, len(self.host.chunks), backend.name,
         )
-
-    def _host_block_views(self, host_regions: list[BlockRegion]) -> list[torch.Tensor]:
-        """One uint8 ``[num_cpu_blocks, block_bytes]`` view of the host buffer per region."""
-        assert self.host_buffer is not None
-        base = self.host_buffer.data_ptr()
-        views = []
-        for r in host_regions:
-            offset = r.base_ptr - base
-            views.append(self.host_buffer[offset:offset + r.num_blocks * r.block_bytes]
-                         .view(r.num_blocks, r.block_bytes))
-        return views
 
     # ------------------------------------------------------------ per step
     def bind_connector_metadata(self, metadata: OffloadMetadata) -> None:
@@ -242,21 +230,21 @@ class OffloadWorker:
         """
         tier_idle = self.tier.shutdown(SHUTDOWN_TIMEOUT_S)
         self.tier = NullTier()
-        backend, buffer = self.backend, self.host_buffer
-        self.backend, self.host_buffer = None, None
+        backend, host = self.backend, self.host
+        self.backend, self.host = None, None
         if backend is None:
             return
         backend_idle = backend.shutdown(SHUTDOWN_TIMEOUT_S)
-        if buffer is None:
+        if host is None:
             return
         if tier_idle and backend_idle:
-            backend.free_host(buffer)
+            backend.free_host_regions(host)
             return
         logger.warning("HALOffloadConnector: %s still running after %.0f s at shutdown; its "
-                       "host buffer (%.2f GiB) is kept until the process exits",
+                       "host memory (%.2f GiB) is kept until the process exits",
                        "a copy" if not backend_idle else "tier IO", SHUTDOWN_TIMEOUT_S,
-                       buffer.numel() / 2**30)
-        _BUSY_AT_SHUTDOWN.append(buffer)
+                       host.num_bytes / 2**30)
+        _BUSY_AT_SHUTDOWN.append(host)
 
     # ------------------------------------------------------------ helpers
     def _collect(self, results: list[JobResult]) -> None:

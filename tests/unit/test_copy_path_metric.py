@@ -37,7 +37,7 @@ def test_a_copy_path_switch_is_counted_once_in_the_stats(make_engine):
     engine = make_engine(backend="switching-cpu")
     worker = engine.worker.worker
     kv = engine.kv_storage.view(torch.uint8).view(engine.kv_storage.shape[0], -1)
-    host = worker.host_buffer.view(worker.num_cpu_blocks, -1)
+    host = worker.host.chunks[0].view(worker.num_cpu_blocks, -1)
     assert worker.backend.copy_path == "batched call"
     assert not worker.backend.copy_path_is_fallback
     for job_id, (gpu, cpu) in enumerate([(3, 7), (5, 1), (6, 2)]):

@@ -12,7 +12,7 @@ def _worker(make_engine, **kwargs):
     engine = make_engine(**kwargs)
     worker = engine.worker.worker
     kv = engine.kv_storage.view(torch.uint8).view(engine.kv_storage.shape[0], -1)
-    host = worker.host_buffer.view(worker.num_cpu_blocks, -1)  # one region: block-major
+    host = worker.host.chunks[0].view(worker.num_cpu_blocks, -1)  # one region: block-major
     return worker, kv, host
 
 
@@ -67,7 +67,7 @@ def test_shutdown_keeps_the_host_buffer_while_a_copy_still_runs(make_engine, mon
     kv[3].fill_(0x5A)
     worker.bind_connector_metadata(OffloadMetadata(store=StoreSpec(0, [3], [7])))
     worker.get_finished(set())  # launched: the copy thread waits at the gate
-    buffer = weakref.ref(worker.host_buffer)
+    buffer = weakref.ref(worker.host.chunks[0])
     del host
     worker.shutdown()  # gives up waiting after 0.2 s
     gc.collect()

@@ -54,4 +54,4 @@ class MooncakeTierSpec(TierSpec):
     def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:
         from kvoffload_hal.tiers.mooncake.worker import open_mooncake_tier
 
-        return open_mooncake_tier(self.config, ctx.host_buffer, ctx.host_views, ctx.fingerprint)
+        return open_mooncake_tier(self.config, ctx.host_chunks, ctx.host_views, ctx.fingerprint)

@@ -68,10 +68,11 @@ class MooncakeTier(PooledTier):
     label = "Mooncake tier"
     batch_items = 64  # keys per client call: one RPC round trip carries many blocks
 
-    def __init__(self, client: Any, host_buffer: torch.Tensor,
+    def __init__(self, client: Any, host_chunks: Sequence[torch.Tensor],
                  host_views: Sequence[torch.Tensor], fingerprint: bytes) -> None:
-        """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view of
-        ``host_buffer`` per host region; ``fingerprint``: what the bytes depend on."""
+        """``host_chunks``: the CPU tier's host buffers, each registered with the
+        client; ``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view per
+        host region, inside them; ``fingerprint``: what the bytes depend on."""
         self.client = client
         self.views = list(host_views)
         self.format = BlockValueFormat(MAGIC, FORMAT_VERSION, fingerprint,
@@ -79,8 +80,9 @@ class MooncakeTier(PooledTier):
         self.prefix = f"kvhal/{fingerprint.hex()}/"
         num_blocks = self.views[0].shape[0]
         self._headers = torch.zeros(num_blocks, HEADER_SLOT_BYTES, dtype=torch.uint8)
-        self._registered = [host_buffer.data_ptr(), self._headers.data_ptr()]
-        register(client, host_buffer.data_ptr(), host_buffer.numel(), "CPU tier's host buffer")
+        self._registered = [c.data_ptr() for c in host_chunks] + [self._headers.data_ptr()]
+        for chunk in host_chunks:
+            register(client, chunk.data_ptr(), chunk.numel(), "CPU tier's host memory")
         register(client, self._headers.data_ptr(), self._headers.numel(), "header area")
         super().__init__()
 
@@ -195,7 +197,7 @@ class UnavailableTier(SecondaryTier):
         pass
 
 
-def open_mooncake_tier(cfg: MooncakeConfig, host_buffer: torch.Tensor,
+def open_mooncake_tier(cfg: MooncakeConfig, host_chunks: Sequence[torch.Tensor],
                        host_views: Sequence[torch.Tensor], fingerprint: bytes) -> SecondaryTier:
     """The worker's Mooncake tier, or an :class:`UnavailableTier` (with one warning)
     when the master cannot be reached or the client cannot start."""
@@ -204,7 +206,7 @@ def open_mooncake_tier(cfg: MooncakeConfig, host_buffer: torch.Tensor,
     client = None
     try:
         client = connect(cfg)
-        tier = MooncakeTier(client, host_buffer, host_views, fingerprint)
+        tier = MooncakeTier(client, host_chunks, host_views, fingerprint)
     except MooncakeUnavailable as e:
         if client is not None:
             client.close()

@@ -23,18 +23,21 @@ def _cfg(address, **kw):
 
 
 class Host:
-    """A CPU tier's host buffer and its per-region block views."""
+    """A CPU tier's host memory in two buffers (as the NPU backend allocates a large
+    tier: regions never split), and its per-region block views."""
 
     def __init__(self, seed=0):
-        per_region = [NUM_BLOCKS * n for n in REGION_BYTES]
-        self.buffer = torch.zeros(sum(per_region), dtype=torch.uint8)
         gen = torch.Generator().manual_seed(seed)
-        self.buffer.copy_(torch.randint(0, 256, self.buffer.shape, generator=gen,
-                                        dtype=torch.uint8))
-        self.views, offset = [], 0
-        for n, size in zip(REGION_BYTES, per_region):
-            self.views.append(self.buffer[offset:offset + size].view(NUM_BLOCKS, n))
-            offset += size
+        split = len(REGION_BYTES) // 2 or 1
+        self.chunks, self.views = [], []
+        for sizes in (REGION_BYTES[:split], REGION_BYTES[split:]):
+            chunk = torch.randint(0, 256, (NUM_BLOCKS * sum(sizes),), generator=gen,
+                                  dtype=torch.uint8)
+            offset = 0
+            for n in sizes:
+                self.views.append(chunk[offset:offset + NUM_BLOCKS * n].view(NUM_BLOCKS, n))
+                offset += NUM_BLOCKS * n
+            self.chunks.append(chunk)
 
     def block(self, b):
         return b"".join(v[b].numpy().tobytes() for v in self.views)
@@ -43,7 +46,7 @@ class Host:
 def _tier(address, host, fingerprint=FP_A):
     from kvoffload_hal.tiers.mooncake.worker import open_mooncake_tier
 
-    return open_mooncake_tier(_cfg(address), host.buffer, host.views, fingerprint)
+    return open_mooncake_tier(_cfg(address), host.chunks, host.views, fingerprint)
 
 
 def _wait(tier, timeout_s=20.0):
@@ -161,13 +164,13 @@ def test_an_unreachable_master_gives_a_tier_that_fails_every_job(caplog):
     host = Host()
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
-    tier = open_mooncake_tier(_cfg(address), host.buffer, host.views, FP_A)
+    tier = open_mooncake_tier(_cfg(address), host.chunks, host.views, FP_A)
     assert isinstance(tier, UnavailableTier) and time.monotonic() - started < 5
     tier.submit_load(1, [("k0", 0)])
     tier.submit_probe(2, ["k0"])
     assert {r.job_id: r.failed_keys for r in tier.poll()} == {1: ("k0",), 2: ("k0",)}
     with pytest.raises(MooncakeUnavailable, match=f"master {address} unreachable.*required"):
-        open_mooncake_tier(_cfg(address, required=True), host.buffer, host.views, FP_A)
+        open_mooncake_tier(_cfg(address, required=True), host.chunks, host.views, FP_A)
 
 
 def test_store_keys_name_the_fingerprint(tiers):
@@ -184,7 +187,7 @@ def test_a_peer_that_left_fails_its_blocks_and_nothing_is_read_wrong(master):
     a = _tier(master.address, a_host)
     b = open_mooncake_tier(_cfg(master.address).__class__(
         master=master.address, segment_bytes=0, buffer_bytes=16 << 20, connect_timeout_s=2.0),
-        b_host.buffer, b_host.views, FP_A)  # contributes no memory: every object is a's
+        b_host.chunks, b_host.views, FP_A)  # contributes no memory: every object is a's
     try:
         a.submit_store(1, [("k0", 0), ("k1", 1)])
         assert _wait(a)[1].ok
