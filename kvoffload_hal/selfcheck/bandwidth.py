@@ -13,6 +13,11 @@ number of bytes through the same backend and the same memory:
 
 Each figure is the median of ``repeats`` timed jobs (``submit`` to the end of
 ``flush``), after one untimed job of each kind that touches every page.
+
+The host buffer's set-up is timed too (``allocate_host`` and a first write of
+every page), per GiB: what each GiB of ``cpu_bytes_to_use`` adds to a worker's
+start-up on this backend (pinning and registering on CUDA and NPU; on the CPU
+backend only the page faults).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Bandwidth:
     store_limit_gbps: float = 0.0  # device -> host, one contiguous copy
     load_gbps: float = 0.0  # host -> device, scattered
     load_limit_gbps: float = 0.0  # host -> device, one contiguous copy
+    host_setup_s_per_gib: float = 0.0  # allocate_host plus a first write of every page
     error: str | None = None
 
     @property
@@ -106,8 +112,11 @@ def measure_bandwidth(make_backend: Callable[[], DmaCopyBackend],
     device = torch.zeros(2 * blocks * block_bytes, dtype=torch.uint8, device=tensor_device)
     with backend_session(make_backend, outcome) as session:
         backend = session.backend
+        start = time.perf_counter()
         host = session.allocate_host(blocks * block_bytes)
         host.zero_()
+        outcome.host_setup_s_per_gib = round(
+            (time.perf_counter() - start) / (blocks * block_bytes / 2**30), 4)
         backend.bind([BlockRegion(device.data_ptr(), 2 * blocks, block_bytes, block_bytes)],
                      [BlockRegion(host.data_ptr(), blocks, block_bytes, block_bytes)])
         timer = _Timer(backend)

@@ -81,6 +81,8 @@ def _bandwidth_lines(bw: dict | None) -> list[str]:
         got, limit = bw[f"{key}_gbps"], bw[f"{key}_limit_gbps"]
         lines.append(f"  {label} {got:8.2f} GB/s scattered {limit:8.2f} GB/s contiguous  "
                      f"{_fraction(got, limit)} of the limit")
+    lines.append(f"  host tier set-up {bw['host_setup_s_per_gib']:.3f} s per GiB "
+                 "(allocate_host and first write: start-up cost of cpu_bytes_to_use)")
     return lines
 
 

@@ -76,7 +76,8 @@ def test_cpu_backend_json_reports_every_layout_byte_exact(capsys):
     bw = result["bandwidth"]
     assert bw["error"] is None and bw["total_bytes"] == 4 << 20
     assert bw["descriptors"] == bw["blocks"] == 128  # scattered: no two blocks merge
-    for key in ("store_gbps", "store_limit_gbps", "load_gbps", "load_limit_gbps"):
+    for key in ("store_gbps", "store_limit_gbps", "load_gbps", "load_limit_gbps",
+                "host_setup_s_per_gib"):
         assert bw[key] > 0, key
     env = result["environment"]
     assert env["copy_mode"] == "host memcpy" and env["runtime_version"] == "n/a"
