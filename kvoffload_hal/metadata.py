@@ -103,16 +103,23 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     # Requests whose asynchronous load failed on this rank, for a model with
     # several KV cache groups (vLLM < 0.32 has no per-request failure report).
     failed_loads: set[str] = field(default_factory=set)
+    # A restarted secondary tier: blocks found from before the restart (a key
+    # once per rank that holds it), and how many ranks finished looking.
+    tier_found: list[BlockKey] = field(default_factory=list)
+    tier_scans_done: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.tier or self.failed_loads)
+        return bool(self.stores or self.loads or self.tier or self.failed_loads
+                    or self.tier_found or self.tier_scans_done)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerMetadata:
         assert isinstance(other, OffloadWorkerMetadata)
         return OffloadWorkerMetadata(_merge(self.stores, other.stores),
                                      _merge(self.loads, other.loads),
                                      _merge(self.tier, other.tier),
-                                     self.failed_loads | other.failed_loads)
+                                     self.failed_loads | other.failed_loads,
+                                     self.tier_found + other.tier_found,
+                                     self.tier_scans_done + other.tier_scans_done)
 
 
 def _merge(a: dict[int, JobReport], b: dict[int, JobReport]) -> dict[int, JobReport]:

@@ -167,6 +167,7 @@ class OffloadScheduler:
             for job, report in meta.loads.items():
                 self.loads.on_report(job, report)
             self.cascade.on_reports(meta.tier)
+            self.cascade.on_found(meta.tier_found, meta.tier_scans_done)
 
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: Request,

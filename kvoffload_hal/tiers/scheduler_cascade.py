@@ -28,6 +28,7 @@ from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import JobBook, RankTally
 from kvoffload_hal.tiers.scheduler_groups import GroupKeys
 from kvoffload_hal.tiers.scheduler_index import TierIndex
+from kvoffload_hal.tiers.scheduler_rebuild import IndexRebuild
 from kvoffload_hal.tiers.worker_tier import BlockKey
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class NullCascade:
 
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         """Blocks were just published in the CPU tier (write-through)."""
+
+    def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
+        """Blocks the workers found from before a restart; ranks done looking."""
 
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
         """After a CPU hit ``hit``: True when the request must ask again later."""
@@ -90,10 +94,20 @@ class TierStep:
     jobs: list[Any]
 
 
+def _no_copies() -> bool:
+    return False
+
+
+def _blocks(hit: Hit) -> list[KVCacheBlock]:
+    return [b for group in hit for b in group if not b.is_null]
+
+
 class TierCascade(NullCascade):
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
-                 stats: StatsLedger) -> None:
+                 stats: StatsLedger, rebuild: bool = False) -> None:
+        """``rebuild``: the workers report blocks kept from before a restart."""
         self.index = index
+        self.rebuild = IndexRebuild(index, world_size) if rebuild else None
         self.cpu = cpu
         self.world_size = world_size
         self.stats = stats
@@ -257,5 +271,11 @@ class TierCascade(NullCascade):
         self._queued.clear()
         self.index.reset()
 
+    def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
+        if self.rebuild is not None:
+            self.rebuild.on_found(keys, ranks_done)
+
     def has_pending(self) -> bool:
-        return bool(self._queued or len(self._sent))
+        # A restarted tier's index fills while the engine steps, idle or not.
+        return bool(self._queued or len(self._sent)
+                    or (self.rebuild is not None and self.rebuild.pending))

@@ -62,6 +62,25 @@ class TierIndex:
             accepted.append(key)
         return accepted
 
+    def adopt(self, keys: Iterable[BlockKey]) -> int:
+        """Take in keys a tier holds from before a restart, as readable, oldest first:
+        each goes in as the most recently used, and a full index evicts its least
+        recently used (so the oldest adopted go first). Returns how many went in."""
+        adopted = 0
+        for key in keys:
+            if key in self._entries:
+                continue  # written again since the restart
+            if len(self._entries) >= self.capacity_blocks and not self._evict_one():
+                self._evicted.append(key)  # no room: the worker deletes the file
+                continue
+            self._entries[key] = _Entry(self.generation, ready=True)
+            adopted += 1
+        return adopted
+
+    def forget_unindexed(self, keys: Iterable[BlockKey]) -> None:
+        """Keys the index never held whose files the workers should delete."""
+        self._evicted.extend(k for k in keys if k not in self._entries)
+
     def commit(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
             if key in self._entries:

@@ -79,6 +79,11 @@ class SecondaryTier(ABC):
         result fails the keys it does not hold."""
         raise NotImplementedError(f"the {self.name} tier answers no existence queries")
 
+    def take_found(self) -> tuple[list[BlockKey], bool]:
+        """Blocks a restarted tier found from before the restart, since the last call
+        (oldest first), and True once when it has found them all (or never looks)."""
+        return [], False
+
     def shutdown(self, timeout_s: float = 10.0) -> bool:
         return True
 

@@ -162,6 +162,9 @@ class OffloadWorker:
             self._collect(self.backend.poll())
         for result in self.tier.poll():
             self._reports.tier[result.job_id] = JobReport(failed_keys=result.failed_keys)
+        found, scan_done = self.tier.take_found()
+        self._reports.tier_found += found
+        self._reports.tier_scans_done += scan_done
         finished, self._finished_recving = self._finished_recving, set()
         failed, self._failed_recving = self._failed_recving, set()
         return set(), finished, failed

@@ -9,6 +9,9 @@ key                    default     meaning
 ``disk_bytes_to_use``  (none)      disk tier capacity for the whole instance, split
                                    across ranks (int bytes > 0; needs ``disk_path``)
 ``disk_o_direct``      ``false``   bypass the page cache for disk-tier IO
+``disk_retention``     ``keep``    ``keep``: blocks outlive the server; a restarted
+                                   server with the same fingerprint finds them.
+                                   ``remove``: a clean shutdown removes them
 =====================  ==========  =================================================
 
 The scheduler half is a :class:`~kvoffload_hal.tiers.scheduler_cascade.TierCascade`
@@ -25,7 +28,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from kvoffload_hal.config_values import boolean, positive_int
+from kvoffload_hal.config_values import boolean, one_of, positive_int
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.disk.dirs import DIR_MODE, check_private_dir
 from kvoffload_hal.tiers.spec import (
@@ -41,24 +44,30 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+RETENTIONS = ("keep", "remove")
+
 
 class DiskTierSpec(TierSpec):
     name = "disk"
     one_group_only = False  # one entry per (group, block): tiers/scheduler_groups.py
     switch_key = "disk_path"
-    keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct")
+    keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct", "disk_retention")
 
-    def __init__(self, path: str, bytes_to_use: int, o_direct: bool = False) -> None:
+    def __init__(self, path: str, bytes_to_use: int, o_direct: bool = False,
+                 retention: str = "keep") -> None:
         self.path = path
         self.bytes_to_use = bytes_to_use
         self.o_direct = o_direct
+        self.keep = retention == "keep"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> DiskTierSpec | None:
         o_direct = boolean("disk_o_direct", extra.get("disk_o_direct", False))
+        retention = one_of("disk_retention", extra.get("disk_retention", "keep"),
+                           RETENTIONS)
         path = extra.get("disk_path")
         if path is None:
-            for key in ("disk_bytes_to_use", "disk_o_direct"):
+            for key in ("disk_bytes_to_use", "disk_o_direct", "disk_retention"):
                 if extra.get(key) not in (None, False):
                     raise ValueError(f"kv_connector_extra_config['{key}'] is set but "
                                      "'disk_path' is not: expected both for a disk tier")
@@ -69,7 +78,7 @@ class DiskTierSpec(TierSpec):
                              "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
         bytes_to_use = positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
         _check_writable_dir(path)
-        return cls(path, bytes_to_use, o_direct)
+        return cls(path, bytes_to_use, o_direct, retention)
 
     def capacity_claims(self, world_size: int) -> list[CapacityClaim]:
         return [CapacityClaim("disk_bytes_to_use", self.bytes_to_use // max(1, world_size),
@@ -84,12 +93,13 @@ class DiskTierSpec(TierSpec):
                                          self.bytes_to_use // max(1, ctx.world_size)))
         logger.info("HALOffloadConnector: disk tier of %d blocks at %s",
                     index.capacity_blocks, self.path)
-        return TierCascade(index, ctx.cpu, ctx.world_size, ctx.stats)
+        return TierCascade(index, ctx.cpu, ctx.world_size, ctx.stats, rebuild=True)
 
     def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:
         from kvoffload_hal.tiers.disk.worker import DiskTier
 
-        return DiskTier(self.path, ctx.rank, ctx.host_views, self.o_direct, ctx.fingerprint)
+        return DiskTier(self.path, ctx.rank, ctx.host_views, self.o_direct, ctx.fingerprint,
+                        keep=self.keep)
 
 
 def _absolute_dir(value: Any) -> str:

@@ -13,8 +13,14 @@ the same ``disk_path``, so:
 * at start-up, directories left by servers that are gone (the marker present,
   the lock free: the kernel drops it when its process dies) are removed, stray
   temporary files with them; a directory without the marker is never touched;
-* creating and removing happen under :data:`SETUP_LOCK`, so a starting server
-  never removes the directory another one is creating.
+* a server that keeps its blocks across restarts (``disk_retention: keep``)
+  first *adopts* the newest such directory whose :data:`FINGERPRINT` file names
+  its own fingerprint (same model, weights, layout, rank, hash seed: the blocks
+  are valid for it), and removes the others;
+* creating, adopting and removing happen under :data:`SETUP_LOCK`, and a
+  directory is locked before that lock is released, so a starting server never
+  removes the directory another one is creating, and two servers starting at
+  once never adopt the same one.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ logger = init_logger(__name__)
 MARKER = ".kvoffload-hal-tier"
 LOCK = ".kvoffload-hal-lock"
 SETUP_LOCK = ".kvoffload-hal-setup.lock"
+FINGERPRINT = ".kvoffload-hal-fingerprint"  # hex of what the directory's blocks depend on
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
@@ -52,15 +59,27 @@ def check_private_dir(path: str, what: str) -> None:
 
 
 class TierDir:
-    """This worker's own directory under ``disk_path``, locked until :meth:`close`."""
+    """This worker's own directory under ``disk_path``, locked until :meth:`close`.
 
-    def __init__(self, disk_path: str, rank: int) -> None:
+    ``adopt_fingerprint``: take over a stopped server's directory written with
+    this fingerprint, if there is one (:attr:`adopted`), instead of a new one.
+    """
+
+    def __init__(self, disk_path: str, rank: int, fingerprint: bytes = b"",
+                 adopt: bool = False) -> None:
         check_private_dir(disk_path, "disk tier directory")
+        self.adopted = False
         with _setup_lock(disk_path):
-            removed = remove_stale_dirs(disk_path)
-            self.path = os.path.join(disk_path, f"rank{rank}.{uuid.uuid4().hex[:12]}")
-            os.mkdir(self.path, DIR_MODE)
-            _touch(os.path.join(self.path, MARKER))
+            found = _adoptable(disk_path, fingerprint) if adopt else None
+            removed = remove_stale_dirs(disk_path, keep=found)
+            if found is None:
+                self.path = os.path.join(disk_path, f"rank{rank}.{uuid.uuid4().hex[:12]}")
+                os.mkdir(self.path, DIR_MODE)
+                _write_private(os.path.join(self.path, FINGERPRINT), fingerprint.hex())
+                _touch(os.path.join(self.path, MARKER))
+            else:
+                self.path, self.adopted = found, True
+                _touch(os.path.join(self.path, MARKER))  # adopted now: the newest
             self._lock_fd: int | None = _open_private(os.path.join(self.path, LOCK))
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if removed:
@@ -68,8 +87,8 @@ class TierDir:
                         removed, disk_path)
 
     def close(self, remove: bool) -> None:
-        """Release the lock; with ``remove``, delete the directory (its blocks are of
-        no use to a later server, whose index starts empty)."""
+        """Release the lock; with ``remove``, delete the directory (else a later
+        server with the same fingerprint adopts it)."""
         if self._lock_fd is None:
             return
         if remove:
@@ -78,14 +97,29 @@ class TierDir:
         self._lock_fd = None
 
 
-def remove_stale_dirs(disk_path: str) -> int:
-    """Remove the tier directories under ``disk_path`` whose owner is gone."""
+def remove_stale_dirs(disk_path: str, keep: str | None = None) -> int:
+    """Remove the tier directories under ``disk_path`` whose owner is gone, but ``keep``."""
     removed = 0
     for entry in os.scandir(disk_path):
-        if _is_stale(entry):
+        if entry.path != keep and _is_stale(entry):
             shutil.rmtree(entry.path, ignore_errors=True)  # never follows links inside
             removed += 1
     return removed
+
+
+def _adoptable(disk_path: str, fingerprint: bytes) -> str | None:
+    """The newest stopped server's directory whose blocks were written with ``fingerprint``."""
+    if not fingerprint:
+        return None
+    best: tuple[int, str] | None = None
+    for entry in os.scandir(disk_path):
+        if not _is_stale(entry) or _read_private(os.path.join(entry.path, FINGERPRINT)) \
+                != fingerprint.hex():
+            continue
+        mtime = os.stat(os.path.join(entry.path, MARKER), follow_symlinks=False).st_mtime_ns
+        if best is None or mtime > best[0]:
+            best = (mtime, entry.path)
+    return None if best is None else best[1]
 
 
 def _is_stale(entry: os.DirEntry) -> bool:
@@ -126,3 +160,20 @@ def _open_private(path: str) -> int:
 
 def _touch(path: str) -> None:
     os.close(_open_private(path))
+    os.utime(path, follow_symlinks=False)  # an adopted directory's marker: its last start
+
+
+def _write_private(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    with open(fd, "w") as f:
+        f.write(text)
+
+
+def _read_private(path: str) -> str | None:
+    """A small file the tier wrote, or None (missing, a link, unreadable)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    with open(fd) as f:
+        return f.read(256)

@@ -11,8 +11,11 @@ fails that key; the scheduler drops it and vLLM recomputes the block.
 
 Writes go to a temporary file first and are renamed into place, so a reader
 sees a whole file or none; the temporary is removed on every error, and short
-writes are errors. Restarts: the tier starts empty, in a new directory; the
-directories of servers that are gone are removed at start-up.
+writes are errors. Restarts (``keep``, the default retention): a server adopts a
+stopped server's directory written with its own fingerprint, and finds its
+blocks in the background (:mod:`~kvoffload_hal.tiers.disk.rebuild`); other
+directories of servers that are gone are removed at start-up. With ``remove``,
+the tier starts empty and removes its directory at a clean shutdown.
 
 IO runs on a small thread pool (file IO releases the GIL), so the engine never
 waits on the disk; results are polled like copy jobs.
@@ -33,6 +36,7 @@ from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
 from kvoffload_hal.tiers.disk.dirs import DIR_MODE, FILE_MODE, TierDir
+from kvoffload_hal.tiers.disk.rebuild import DirScan
 from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
 from kvoffload_hal.tiers.worker_pool import PooledTier
 from kvoffload_hal.tiers.worker_tier import BlockKey, TierItem
@@ -51,15 +55,21 @@ class DiskTier(PooledTier):
     label = "disk tier"
 
     def __init__(self, root: str, rank: int, host_views: Sequence[torch.Tensor],
-                 o_direct: bool = False, fingerprint: bytes = bytes(FINGERPRINT_BYTES)) -> None:
+                 o_direct: bool = False, fingerprint: bytes = bytes(FINGERPRINT_BYTES),
+                 keep: bool = False) -> None:
         """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view per host region;
-        ``fingerprint``: what the blocks' bytes depend on (:mod:`~kvoffload_hal.tiers.identity`)."""
+        ``fingerprint``: what the blocks' bytes depend on (:mod:`~kvoffload_hal.tiers.identity`);
+        ``keep``: the blocks outlive this server (adopt a predecessor's, keep ours)."""
         self.views = list(host_views)
         self.payload_bytes = sum(v.shape[1] for v in self.views)
         self.format = BlockValueFormat(MAGIC, FORMAT_VERSION, fingerprint, self.payload_bytes)
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
-        self._dir = TierDir(root, rank)  # new, private, locked while this tier runs
+        self.keep = keep
+        # Private, locked while this tier runs: a predecessor's (keep) or a new one.
+        self._dir = TierDir(root, rank, fingerprint, adopt=keep)
         self.root = self._dir.path
+        self._scan = DirScan(self.root) if self._dir.adopted else None
+        self._scan_over = False
         super().__init__()
 
     # ------------------------------------------------------- PooledTier hooks
@@ -73,9 +83,19 @@ class DiskTier(PooledTier):
         for key in keys:
             self._in_background(_unlink, self._path(key))
 
+    def take_found(self) -> tuple[list[BlockKey], bool]:
+        """A new directory has nothing to find: done at once (each rank says done once)."""
+        if self._scan is None:
+            done, self._scan_over = not self._scan_over, True
+            return [], done
+        found, done = self._scan.take()
+        if done:
+            self._scan, self._scan_over = None, True
+        return found, done
+
     def _close(self, idle: bool) -> None:
         # The directory goes only when no IO can still write into it.
-        self._dir.close(remove=idle)
+        self._dir.close(remove=idle and not self.keep)
 
     # ------------------------------------------------------------ file IO
     def _path(self, key: BlockKey) -> str:
