@@ -82,6 +82,7 @@ class OffloadScheduler:
         self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size)
         self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads,
                               recovery=self._say_load_recovery())
+        self.cascade.bind_copies(self._copies_in_flight)
         self.gpu_pool: BlockPool | None = None
         logger.info(
             "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores, "
@@ -205,6 +206,10 @@ class OffloadScheduler:
         leftovers = self.policy.has_pending() and self.cpu.num_free_blocks() > 0
         return bool(self.loads.has_pending() or self.stores.has_pending()
                     or self.cascade.has_pending() or leftovers)
+
+    def _copies_in_flight(self) -> bool:
+        """Loads or stores hold CPU blocks until they end (a promotion waits for them)."""
+        return self.loads.has_pending() or self.stores.has_pending()
 
     def num_jobs_in_flight(self) -> int:
         """Load and store jobs sent to the workers and not yet reported by every rank."""

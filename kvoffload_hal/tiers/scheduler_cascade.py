@@ -13,7 +13,10 @@
   cache and kept referenced for that request; its next lookup finds a longer
   CPU hit and loads it to the device as usual. A model with several KV cache
   groups promotes every group's entries of the run
-  (:mod:`~kvoffload_hal.tiers.scheduler_groups`).
+  (:mod:`~kvoffload_hal.tiers.scheduler_groups`). When no CPU block is free
+  because copies in flight hold them (spills, the CPU tier's loads and stores),
+  the request waits for those copies instead of recomputing: its answer would
+  otherwise depend on whether a disk write had been collected yet.
 * **Integrity.** A key that failed to read (missing, torn, corrupted) is dropped
   from the index; blocks after it in the request are not published, and the
   request stops promoting (it recomputes instead).
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +51,10 @@ class NullCascade:
     The interface a secondary tier offers the scheduler, with
     :class:`TierCascade` the real one.
     """
+
+    def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
+        """``copies_in_flight()``: whether the CPU tier's own loads or stores hold CPU
+        blocks that they release when they end."""
 
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         """Blocks were just published in the CPU tier (write-through)."""
@@ -117,7 +125,11 @@ class TierCascade(NullCascade):
         self._promoted: dict[str, list[KVCacheBlock]] = {}
         self._no_promotion: set[str] = set()
         self._keys_promoting: set[BlockKey] = set()  # one promotion per key at a time
+        self._copies_in_flight: Callable[[], bool] = _no_copies
         self.groups = GroupKeys.of(cpu)
+
+    def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
+        self._copies_in_flight = copies_in_flight
 
     # --------------------------------------------------------------- spill
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
@@ -142,11 +154,11 @@ class TierCascade(NullCascade):
         self.cpu.pin_hit(hit)
         try:
             self._release_promoted(request.request_id)
-            return self._promote(request, first_block, end_block)
+            return self._promote(request, hit, first_block, end_block)
         finally:
             self.cpu.unpin_hit(hit)
 
-    def _promote(self, request: Request, first_block: int, end_block: int) -> bool:
+    def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
         req_id = request.request_id
         if req_id in self._promoting:
             return True
@@ -161,7 +173,8 @@ class TierCascade(NullCascade):
             chosen = self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
                                       self.cpu.num_free_blocks())
             if not chosen:
-                return self._waits_for_others(positions)
+                return (self._waits_for_others(positions)
+                        or self._waits_for_room(req_id, positions, [*held, *_blocks(hit)]))
             keys, hashes = (list(x) for x in zip(*chosen))
             self.index.pin(keys)
             job = _TierJob(True, keys, self.cpu.allocate(len(keys)), hashes, req_id)
@@ -181,6 +194,35 @@ class TierCascade(NullCascade):
         request asks again once they are in the CPU tier, and loads them from there."""
         promoting = self._keys_promoting
         return bool(promoting) and any(k in promoting for k in self.groups.keys(positions))
+
+    def _waits_for_room(self, req_id: str, positions: list[Any],
+                        own: list[KVCacheBlock]) -> bool:
+        """Whether the tier holds the blocks after the hit and only room in the CPU tier
+        is missing, held by copies in flight that release it when they end: the request
+        asks again then, its ``own`` blocks (hit and run) kept until that lookup so that
+        nothing evicts what it waits to extend. Answered as a miss, it would recompute
+        its whole prompt, by chance: whenever the last spills had not been collected yet
+        (an offline engine stops stepping when its last request finishes; a busy one
+        always has some in flight)."""
+        if not self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
+                                len(self.groups.groups)):
+            return False  # nothing to promote, whatever the room
+        # Loads and stores hold fresh blocks or other requests' hits; a spill of the
+        # request's own blocks frees nothing for it.
+        own_ids = {b.block_id for b in own}
+        if not (self._copies_in_flight() or any(
+                b.block_id not in own_ids for job in self._spills() for b in job.blocks)):
+            return False
+        self.cpu.pin(own)
+        self._promoted[req_id] = own  # released by its next lookup, as promoted blocks are
+        return True
+
+    def _spills(self) -> Iterator[_TierJob]:
+        """Spill jobs queued or in flight: each keeps its CPU blocks until it ends."""
+        yield from (j for j in self._queued if not j.promote)
+        for step in self._sent.payloads():
+            if step.kind == "spill":
+                yield from step.jobs
 
     def _release_promoted(self, req_id: str) -> None:
         """Drop the pins kept on promoted blocks once the request looked them up again."""

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
 
 class SharedTierIndex(TierIndex):
     """What this instance knows a shared store holds; see the module docstring."""
@@ -80,7 +80,7 @@ class SharedTierCascade(TierCascade):
         self._promote_started: dict[str, float] = {}
         self._waiting_since: dict[str, float] = {}  # on another request's promotion
 
-    def _promote(self, request: Request, first_block: int, end_block: int) -> bool:
+    def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
         req_id = request.request_id
         now = self._clock()
         if req_id in self._promoting:
@@ -101,7 +101,7 @@ class SharedTierCascade(TierCascade):
         if probe is None and keys and not self.index.ready_run(keys):
             self._probes[req_id] = _Probe(req_id, keys, now)
             return True  # ask the store (once per request); the request asks again later
-        if super()._promote(request, first_block, end_block):
+        if super()._promote(request, hit, first_block, end_block):
             if req_id in self._promoting:
                 self._promote_started[req_id] = now
             elif now - self._waiting_since.setdefault(req_id, now) > self.timeout_s:
@@ -111,6 +111,7 @@ class SharedTierCascade(TierCascade):
         return False
 
     def _give_up(self, req_id: str) -> bool:
+        self._release_promoted(req_id)  # what it kept while waiting
         self._no_promotion.add(req_id)
         self.stats.record_mooncake(timeouts=1)
         return False

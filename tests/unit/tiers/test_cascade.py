@@ -88,3 +88,48 @@ def test_reset_abandons_promotions_in_flight(cascade):
     assert sorted(tiers.take_jobs().evictions) == sorted(k for k, _ in promote.items)
     tiers.request_finished(again.request_id)
     assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
+
+
+def test_a_promotion_waits_for_room_that_copies_in_flight_hold(cascade):
+    """No free CPU block: the request waits while copies in flight hold blocks they
+    release when they end, and recomputes when nothing would ever free one."""
+    engine, cpu, tiers = cascade
+    req, hashes = _spilled_then_dropped(engine, cpu, tiers, 3)
+    copying = [False]
+    tiers.bind_copies(lambda: copying[0])
+    taken = cpu.allocate(cpu.num_free_blocks())  # held by something that is no copy
+    assert tiers.lookup(req, (), 0, 3) is False  # no room will come: recompute
+    copying[0] = True  # a load or a store holds them now
+    assert tiers.lookup(req, (), 0, 3) is True and tiers.take_jobs().promote is None
+    copying[0] = False
+    cpu.unpin(taken)  # it ended
+    assert tiers.lookup(req, (), 0, 3) is True
+    assert [k for k, _ in tiers.take_jobs().promote.items] == [h.hex() for h in hashes]
+    tiers.request_finished(req.request_id)
+
+
+def test_a_spill_of_the_requests_own_hit_frees_no_room_for_it(cascade):
+    """Its own blocks stay taken when their spill ends; another block's spill frees one,
+    and the request keeps its hit while it waits for it."""
+    engine, cpu, tiers = cascade
+    req, hashes = _spilled_then_dropped(engine, cpu, tiers, 4)
+    # Its first 3 blocks are back in the CPU tier, being written to disk again.
+    hit = cpu.allocate(3)
+    cpu.publish(hit, hashes[:3])
+    tiers.index.drop(h.hex() for h in hashes[:3])
+    tiers.on_published(hit, hashes[:3])
+    cpu.unpin(hit)
+    taken = cpu.allocate(cpu.num_free_blocks())
+    assert tiers.lookup(req, (hit,), 3, 4) is False  # its hit stays taken: recompute
+    cpu.unpin(taken[:1])
+    _, other, other_hashes = _published(engine, cpu, 1, seed=60)
+    tiers.on_published(other, other_hashes)  # another block's spill: that one frees
+    cpu.unpin(other)
+    assert tiers.lookup(req, (hit,), 3, 4) is True  # waits for that spill
+    jobs = tiers.take_jobs()
+    assert jobs.promote is None
+    tiers.on_reports({jobs.spill.job_id: JobReport(ranks=2)})
+    assert all(b.ref_cnt == 1 for b in hit)  # kept while it waits: nothing evicts them
+    assert tiers.lookup(req, (hit,), 3, 4) is True
+    assert [k for k, _ in tiers.take_jobs().promote.items] == [hashes[3].hex()]
+    tiers.request_finished(req.request_id)

@@ -5,6 +5,7 @@ See ``engine_harness.py``: every KV read is checked by the fake model.
 
 import os
 import random
+import threading
 
 BS = 16
 PAGE = BS * 128  # one harness block: 16 tokens x 128 bytes of K and V
@@ -119,4 +120,39 @@ def test_a_model_with_a_sliding_window_group_gets_its_prefixes_back_from_disk(
     assert {get_group_id(bytes.fromhex(k)) for k in keys} == {0, 1}
     assert totals["blocks_from_disk"] > 0
     assert totals["cpu_hit_tokens"] >= 6 * 64  # most of each document came back
+    engine.assert_idle()
+
+
+def test_a_disk_hit_waits_while_spills_hold_every_cpu_block(make_engine, tmp_path):
+    """A request with a disk hit arrives while spills in flight pin every CPU block (an
+    offline engine that stopped stepping when its last request finished, or a busy one):
+    it waits for them, then gets its blocks back from disk, instead of recomputing its
+    whole prompt and losing the hit for good."""
+    # 4 CPU blocks: 3 usable (vLLM's null block takes one).
+    engine = _disk_engine(make_engine, tmp_path, cpu_blocks=4, num_gpu_blocks=16)
+    doc = _prompt(1, 6)
+    _serve(engine, "a", doc)
+    for seed in range(2, 5):
+        _serve(engine, f"other{seed}", _prompt(seed, 6))  # "a" leaves the device and CPU
+    tier = engine.worker.worker.tier
+    gate = threading.Event()  # disk writes wait here: the spills stay in flight
+    write = tier._store_batch
+    tier._store_batch = lambda items: (gate.wait(30), write(items))[1]
+    try:
+        engine.add("last", _prompt(5, 6))
+        while "last" not in engine.finished:
+            engine.step()
+        assert engine.offload.cpu.num_free_blocks() == 0  # all being written to disk
+        hits = engine.offload.totals.data.get("cpu_hit_tokens", 0)
+        again = engine.add("a-again", doc)
+        for _ in range(3):
+            engine.step()
+            assert again.num_computed_tokens == 0  # waits: nothing recomputed
+    finally:
+        gate.set()
+    engine.run_until_done()
+    engine.drain()
+    assert engine.outputs["a-again"] == engine.outputs["a"]
+    # What the CPU tier holds (3 blocks) came back from disk and was loaded.
+    assert engine.offload.totals.data["cpu_hit_tokens"] - hits == 3 * BS
     engine.assert_idle()
