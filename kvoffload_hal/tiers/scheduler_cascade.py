@@ -24,10 +24,14 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvoffload_hal.hal.plumbing import log_once
+from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import JobBook, RankTally
 from kvoffload_hal.tiers.scheduler_groups import GroupKeys
@@ -43,6 +47,11 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
 
 NO_TIER_JOBS = TierJobs()
+# The longest a request waits for CPU blocks that copies in flight hold before it
+# recomputes instead: spills finish in milliseconds unless the disk is stuck.
+MAX_ROOM_WAIT_S = 10.0
+
+logger = init_logger(__name__)
 
 
 class NullCascade:
@@ -112,8 +121,11 @@ def _blocks(hit: Hit) -> list[KVCacheBlock]:
 
 class TierCascade(NullCascade):
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
-                 stats: StatsLedger, rebuild: bool = False) -> None:
+                 stats: StatsLedger, rebuild: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``rebuild``: the workers report blocks kept from before a restart."""
+        self._clock = clock
+        self._room_wait_since: dict[str, float] = {}
         self.index = index
         self.rebuild = IndexRebuild(index, world_size) if rebuild else None
         self.cpu = cpu
@@ -213,6 +225,12 @@ class TierCascade(NullCascade):
         if not (self._copies_in_flight() or any(
                 b.block_id not in own_ids for job in self._spills() for b in job.blocks)):
             return False
+        now = self._clock()
+        if now - self._room_wait_since.setdefault(req_id, now) > MAX_ROOM_WAIT_S:
+            log_once(logger, logging.WARNING, "disk tier: a request waited %.0f s for CPU "
+                     "blocks held by copies in flight (a stuck disk?); such requests are "
+                     "recomputed", MAX_ROOM_WAIT_S)
+            return False
         self.cpu.pin(own)
         self._promoted[req_id] = own  # released by its next lookup, as promoted blocks are
         return True
@@ -231,6 +249,7 @@ class TierCascade(NullCascade):
             self.cpu.unpin(blocks)
 
     def request_finished(self, req_id: str) -> None:
+        self._room_wait_since.pop(req_id, None)
         self._release_promoted(req_id)
         self._no_promotion.discard(req_id)
         job = self._promoting.pop(req_id, None)

@@ -133,3 +133,23 @@ def test_a_spill_of_the_requests_own_hit_frees_no_room_for_it(cascade):
     assert tiers.lookup(req, (hit,), 3, 4) is True
     assert [k for k, _ in tiers.take_jobs().promote.items] == [hashes[3].hex()]
     tiers.request_finished(req.request_id)
+
+
+def test_a_request_waits_for_room_at_most_a_bounded_time(make_engine):
+    """Copies that never end (a stuck disk) cannot keep a request waiting forever."""
+    from kvoffload_hal.tiers.scheduler_cascade import MAX_ROOM_WAIT_S
+
+    engine = make_engine(cpu_blocks=8)
+    cpu, now = engine.offload.cpu, [0.0]
+    tiers = TierCascade(TierIndex(16), cpu, world_size=2, stats=StatsLedger(),
+                        clock=lambda: now[0])
+    req, _ = _spilled_then_dropped(engine, cpu, tiers, 3)
+    tiers.bind_copies(lambda: True)  # a copy that never ends
+    taken = cpu.allocate(cpu.num_free_blocks())
+    assert tiers.lookup(req, (), 0, 3) is True  # waits
+    now[0] += MAX_ROOM_WAIT_S / 2
+    assert tiers.lookup(req, (), 0, 3) is True  # still
+    now[0] += MAX_ROOM_WAIT_S
+    assert tiers.lookup(req, (), 0, 3) is False  # recomputes
+    cpu.unpin(taken)
+    tiers.request_finished(req.request_id)
