@@ -4,6 +4,8 @@ Requests are replayed as the scheduler drives the tier (find the hit, pin it,
 load it, store the misses, publish, unpin): see ``eviction_replay``.
 """
 
+import random
+
 import pytest
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
@@ -11,16 +13,20 @@ from kvoffload_hal import vllm_compat
 from kvoffload_hal.demo.eviction_replay import KeyHashes, make_replay_tier, replay_tier
 from kvoffload_hal.scheduler.eviction import (
     CANDIDATES,
+    FRESH,
     HEAD,
+    RETURNED,
     REUSED,
+    TAIL,
     USED_UP,
     AdaptiveEviction,
-    History,
     Insertion,
+    Shadow,
 )
 
 CANDIDATE = {c.name: c for c in CANDIDATES}
 SCAN_RESISTANT, LRU_ORDER = CANDIDATE["scan-resistant"], CANDIDATE["lru"]
+KEEP_RESIDENTS = CANDIDATE["keep-residents"]
 
 
 def _tier(num_blocks, eviction="adaptive", candidates=CANDIDATES):
@@ -73,11 +79,101 @@ def test_a_block_stored_again_after_an_unused_eviction_is_protected():
         assert _hit_blocks(tier, h, hashes) == h_hits
 
 
-def test_the_history_forgets_the_oldest_key_beyond_its_capacity():
-    history = History(3)
-    assert [history.see(k) for k in (1, 2, 3, 1, 4)] == [False, False, False, True, False]
-    assert history.see(2) is False  # 2 was the oldest when 4 came
-    assert history.see(1) is True
+def _classes_of(tier, keys, hashes):
+    blocks = tier.cached(make_block_hash_with_group_id(hashes(k), 0) for k in keys)
+    assert len(blocks) == len(keys)
+    return [tier.eviction.block_class(b) for b in blocks]
+
+
+def test_a_block_stored_again_three_tier_sizes_later_is_known_to_return():
+    """The history spans HISTORY_FACTOR (8) tier sizes of stores: a request
+    evicted and stored again after three tier sizes of other blocks is
+    returning, and a scan-resistant tier keeps it through the next scan. A
+    history of one tier size (8 times too short) takes it for a new one, puts it
+    first in line and loses it to the scan."""
+    num_blocks = 64
+    hot = _chain(1, 8)
+    filler = [_chain(50 + i, 8) for i in range(num_blocks // 8)]
+    scan = [_chain(100 + i, 8) for i in range(3 * num_blocks // 8)]  # 3 tier sizes
+    second_scan = [_chain(500 + i, 8) for i in range(num_blocks // 8)]
+    tier, hashes = _tier(num_blocks, candidates=[SCAN_RESISTANT]), KeyHashes()
+    # On a full tier hot goes first in line (stored once) and the scan evicts it.
+    replay_tier(tier, [*filler, hot, *scan], hashes)
+    assert _hit_blocks(tier, hot, hashes) == 0
+    replay_tier(tier, [hot], hashes)  # stored again
+    assert _classes_of(tier, hot, hashes) == [RETURNED] * 8
+    replay_tier(tier, second_scan, hashes)
+    assert _hit_blocks(tier, hot, hashes) == 8
+
+
+def test_a_block_loaded_twice_is_used_up():
+    """Classes follow the loads: loaded once (reused), loaded more (used up),
+    stored again after an eviction (returned)."""
+    tier, hashes = _tier(16, candidates=[LRU_ORDER]), KeyHashes()
+    a, b = _chain(1, 4), _chain(2, 4)
+    replay_tier(tier, [a, b], hashes)
+    assert _classes_of(tier, a, hashes) == [FRESH] * 4
+    replay_tier(tier, [a, b, a], hashes)
+    assert _classes_of(tier, a, hashes) == [USED_UP] * 4
+    assert _classes_of(tier, b, hashes) == [REUSED] * 4
+
+
+def test_keep_residents_lets_a_block_loaded_twice_go_first():
+    """keep-residents: a block loaded once is kept, one loaded twice is done
+    (a loop larger than the tier has no third read of it)."""
+    tier, hashes = _tier(8, candidates=[KEEP_RESIDENTS]), KeyHashes()
+    a, b, c = _chain(1, 4), _chain(2, 4), _chain(3, 4)
+    replay_tier(tier, [a, b, a, b, a], hashes)  # a loaded twice, b once
+    replay_tier(tier, [c], hashes)  # evicts what is first in line
+    assert _hit_blocks(tier, a, hashes) == 0
+    assert _hit_blocks(tier, b, hashes) == 4
+
+
+def test_a_shadow_counts_a_key_hit_twice_as_used_up():
+    """The shadows move classes as the tier does: the second hit on a key makes
+    it used up, which this candidate puts first in line."""
+    shadow = Shadow(Insertion("used-up-first", TAIL, TAIL, TAIL, HEAD), capacity=2)
+    one, two, three = (k.to_bytes(3, "little") for k in (1, 2, 3))
+    for key in (one, two, one, one, three):  # one: hit twice; three evicts the first in line
+        shadow.access(0, key, False)
+    assert shadow.hits == 2
+    shadow.access(0, two, False)
+    assert shadow.hits == 3  # two was kept
+    shadow.access(0, one, False)
+    assert shadow.hits == 3  # one was evicted
+
+
+def _docs(num_requests, num_docs, seed=0):
+    """Requests reading one of ``num_docs`` 8-block documents and 1-4 blocks of their own."""
+    rng, unique, trace = random.Random(seed), 10**7, []
+    for _ in range(num_requests):
+        doc, own = rng.randrange(num_docs), rng.randint(1, 4)
+        trace.append([*_chain(doc, 8), *range(unique, unique + own)])
+        unique += own
+    return trace
+
+
+@pytest.mark.parametrize("warm_up", [True, False], ids=["as-built", "no-warm-up"])
+def test_a_tier_full_of_unused_blocks_serves_as_many_hits_as_lru(warm_up):
+    """A tier that starts full of blocks no one reads (stored before; the
+    shadows saw them stored, nothing else): over the next 1000 requests the
+    adaptive tier hits as often as LRU. Deciding as soon as the shadows are
+    full (no warm-up after that) picks the first candidate, which puts every
+    new block first in line, behind the unused ones, and loses 12 %."""
+    num_blocks = 8192
+    unused = [[10**9 + i * 16 + j for j in range(16)] for i in range(num_blocks // 16 + 1)]
+    work = _docs(1000, num_blocks // 4)
+    hits = {}
+    for eviction in ("lru", "adaptive"):
+        tier, hashes = _tier(num_blocks, eviction), KeyHashes()
+        if not warm_up and eviction == "adaptive":
+            tier.eviction.duel._warm_after = tier.eviction.duel.capacity
+        replay_tier(tier, unused, hashes)
+        hits[eviction] = replay_tier(tier, work, hashes)
+    if warm_up:
+        assert hits["adaptive"] >= 0.95 * hits["lru"]
+    else:
+        assert hits["adaptive"] < 0.95 * hits["lru"]
 
 
 def _cyclic(num_docs, blocks, rounds):
@@ -130,7 +226,7 @@ def test_reset_forgets_protection():
     a = _chain(1, 4)
     replay_tier(tier, [a, a], hashes)
     tier.drop_all()
-    assert tier.eviction._classes == {}
+    assert not any(tier.eviction._classes)
     assert _hit_blocks(tier, a, hashes) == 0
 
 

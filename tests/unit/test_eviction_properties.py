@@ -118,7 +118,7 @@ def test_the_lru_shadow_scores_an_lru_caches_hits(capacity, keys):
     reference: OrderedDict[int, None] = OrderedDict()
     hits = 0
     for key in keys:
-        shadow.access(key, False)
+        shadow.access(0, key.to_bytes(3, "little"), False)
         if key in reference:
             hits += 1
             reference.move_to_end(key)
