@@ -21,7 +21,7 @@ hence three:
 
 Prints a table and writes ``docs/benchmarks/eviction_traces.{md,png}``.
 
-    python benchmarks/eviction_traces.py [--quick]
+    python benchmarks/eviction_traces.py [--quick] [--seed N] [--scale K]
 """
 
 from __future__ import annotations
@@ -109,6 +109,19 @@ def hot_scan_trace(num_requests: int = 1200, num_hot: int = 16, hot_blocks: int 
 
 
 TRACES = {"long-doc": long_doc_trace, "zipf-chat": zipf_chat_trace, "hot+scan": hot_scan_trace}
+# What --scale multiplies in each trace: its documents, prompts, conversations or
+# hot prefixes, and its requests, so the tier sizes grow by about that factor.
+SCALED = {"long-doc": ("num_docs", "device_docs"),
+          "zipf-chat": ("num_requests", "num_prompts", "num_convs"),
+          "hot+scan": ("num_requests", "num_hot")}
+
+
+def make_trace(name: str, seed: int, scale: int = 1) -> Trace:
+    """Trace ``name`` with its counts multiplied by ``scale`` (1: the published suite)."""
+    make = TRACES[name]
+    defaults = make.__defaults__
+    params = dict(zip(make.__code__.co_varnames[:len(defaults)], defaults))
+    return make(**{k: params[k] * scale for k in SCALED[name]}, seed=seed)
 
 
 def working_set(trace: Trace) -> int:
@@ -128,10 +141,10 @@ def replay_all(trace: Trace, capacity: int) -> dict[str, int]:
     return hits
 
 
-def run_suite(sizes=SIZES, seed: int = 0) -> list[dict]:
+def run_suite(sizes=SIZES, seed: int = 0, scale: int = 1) -> list[dict]:
     rows = []
-    for i, (trace_name, make) in enumerate(TRACES.items()):
-        trace = make(seed=seed + i)
+    for i, trace_name in enumerate(TRACES):
+        trace = make_trace(trace_name, seed + i, scale)
         ws = working_set(trace)
         for size in sizes:
             capacity = max(1, round(size * ws))
@@ -199,14 +212,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="three sizes, no files written")
     parser.add_argument("--seed", type=int, default=0,
                         help="the traces' seeds are SEED, SEED+1, SEED+2 (0: the published table)")
+    parser.add_argument("--scale", type=int, default=1,
+                        help="traces and tiers SCALE times larger (no files written unless 1): "
+                             "the shadows' key cap and the sketch's buckets at work")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    rows = run_suite((0.5, 1.0, 1.5) if args.quick else SIZES, args.seed)
+    rows = run_suite((0.5, 1.0, 1.5) if args.quick else SIZES, args.seed, args.scale)
     table = format_table(rows)
     print(table)
     print(f"replayed in {time.perf_counter() - start:.1f} s")
-    if args.quick:
+    if args.quick or args.scale != 1:
         return
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "eviction_traces.md").write_text(

@@ -101,7 +101,10 @@ def make_vllm_config(model: str, connector: str, max_num_seqs: int,
         # (on the CPU platform ours defaults to synchronous loads).
         kv_transfer_config=KVTransferConfig(
             kv_role="kv_both", **CONNECTORS[connector],
-            kv_connector_extra_config=({"load_mode": "async", "eviction": eviction}
+            # allow_overcommit: the scheduler side allocates no KV bytes, and a tier
+            # of 1M blocks of 32 KiB (32 GiB) is more than this 24 GiB host has.
+            kv_connector_extra_config=({"load_mode": "async", "eviction": eviction,
+                                        "allow_overcommit": True}
                                        if connector == "HALOffloadConnector" else {})),
     )
     config = args.create_engine_config()
@@ -165,6 +168,22 @@ class Trace:
         return req
 
 
+def prefill_cpu_tier(scheduler, seed: int) -> int:
+    """Fill our connector's CPU tier with blocks no request asks for, stored as a
+    store job publishes them (what an earlier workload leaves behind); the count."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    cpu = scheduler.get_kv_connector().scheduler.cpu
+    rng = random.Random(seed + 1)
+    num_free = cpu.num_free_blocks()
+    for start in range(0, num_free, 4096):
+        blocks = cpu.allocate(min(4096, num_free - start))
+        cpu.publish(blocks, [make_block_hash_with_group_id(rng.randbytes(32), 0)
+                             for _ in blocks])
+        cpu.unpin(blocks)
+    return num_free
+
+
 def worker_output(connector: str, scheduler_output):
     """What a synchronous worker would report for this step's transfers."""
     from vllm.v1.outputs import KVConnectorOutput
@@ -190,7 +209,8 @@ def worker_output(connector: str, scheduler_output):
 
 
 def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int,
-              warmup_steps: int, seed: int, eviction: str = DEFAULT_EVICTION) -> Point:
+              warmup_steps: int, seed: int, eviction: str = DEFAULT_EVICTION,
+              prefill: bool = False) -> Point:
     from vllm.v1.outputs import ModelRunnerOutput
 
     blocks_per_request = -(-(DOC_TOKENS + QUESTION_TOKENS[1] + OUTPUT_TOKENS[1]) // BLOCK_SIZE)
@@ -198,6 +218,8 @@ def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int
     vllm_config = make_vllm_config(model, connector, max_num_seqs=max(live, 16),
                                    eviction=eviction)
     scheduler = make_scheduler(vllm_config, num_gpu_blocks, cpu_blocks)
+    if prefill and connector == OURS:
+        prefill_cpu_tier(scheduler, seed)
     timer = Timer(scheduler.get_kv_connector())
     trace = Trace(live, seed)
     point = Point(connector, cpu_blocks, live, steps, {}, {})
@@ -241,6 +263,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the CPU tier's eviction policy (ours)")
     parser.add_argument("--compare-eviction", action="store_true",
                         help="also run ours with every other eviction policy, alternating")
+    parser.add_argument("--prefill", action="store_true",
+                        help="start with our CPU tier full of blocks no request uses "
+                             "(ours only: compare eviction policies on a full tier)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per point, connectors alternating; the fastest is kept")
     parser.add_argument("--quick", action="store_true",
@@ -266,7 +291,7 @@ def measure(args: argparse.Namespace, model: str) -> tuple[list[Point], list[Poi
             for _ in range(args.repeats):  # alternate the variants, keep each one's best
                 for name, eviction in variants:
                     p = run_point(model, name, nb, live, args.steps, args.warmup_steps,
-                                  args.seed, eviction)
+                                  args.seed, eviction, args.prefill)
                     p.extra["eviction"] = eviction
                     old = best.get((name, eviction))
                     if old is None or p.us_per_step < old.us_per_step:

@@ -118,7 +118,7 @@ class AdaptiveEviction(Eviction):
     candidate insertion with the most shadow hits lately says.
 
     Per tier block: its class (one byte, by block id) and 27 bytes of
-    :class:`RecentHashes`; the shadows hold at most 4 x 4096 keys of 4 bytes.
+    :class:`RecentHashes`; the shadows hold at most 4 x 512 keys of 4 bytes.
     Nothing grows with the traffic.
     """
 
@@ -135,30 +135,26 @@ class AdaptiveEviction(Eviction):
 
     def on_loaded(self, blocks: Sequence[KVCacheBlock]) -> None:
         super().on_loaded(blocks)
-        classes, duel, below = self._classes, self.duel, self.duel.sample_below
+        classes, duel = self._classes, self.duel
+        below, first_max = duel.sample_below, duel.sample_first_byte_max
         for b in blocks:
             i = b.block_id
             # next_class, inline: this runs for every block loaded.
             classes[i] = USED_UP if classes[i] >= REUSED else REUSED
             # A hit: not the history's to say (the block may have outlived its entry).
             key = b.block_hash
-            if (key[0] << 8 | key[1]) < below:
+            if key[0] <= first_max and (key[0] << 8 | key[1]) < below:
                 duel.access(hash_number(key), True)
 
     def on_stored(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[Any]) -> None:
         super().on_stored(blocks, hashes)
         classes, duel = self._classes, self.duel
-        below = duel.sample_below
+        below, first_max = duel.sample_below, duel.sample_first_byte_max
         for block, key, seen in zip(blocks, hashes, self.history.see_all(hashes)):
-            if seen:
-                classes[block.block_id] = RETURNED
-            if (key[0] << 8 | key[1]) < below:
+            # Its class starts here (a block's class is read only once it has a hash).
+            classes[block.block_id] = RETURNED if seen else FRESH
+            if key[0] <= first_max and (key[0] << 8 | key[1]) < below:
                 duel.access(hash_number(key), seen)
-
-    def on_allocated(self, blocks: Iterable[KVCacheBlock]) -> None:
-        classes = self._classes
-        for b in blocks:
-            classes[b.block_id] = FRESH
 
     def on_dropped(self, block_ids: Iterable[int]) -> None:
         classes = self._classes

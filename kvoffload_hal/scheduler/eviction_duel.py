@@ -24,12 +24,12 @@ from typing import NamedTuple
 # 1/SAMPLE_EVERY the size on those keys. 1 in 4 scored 0.912 of the optimum on
 # the trace replays, 1 in 8 0.901, at half the cost per block.
 SAMPLE_EVERY = 8
-# ... but no shadow holds fewer than SHADOW_MIN_KEYS keys (a tier that small
-# samples more) nor more than SHADOW_MAX_KEYS (a larger tier samples fewer: the
-# shadows' hits are counts over keys, and a few thousand tell the candidates
-# apart as well as a million would, at a fraction of the cost per block).
-SHADOW_MIN_KEYS = 0
-SHADOW_MAX_KEYS = 4096
+# ... but no shadow holds more than SHADOW_MAX_KEYS keys: a larger tier samples
+# fewer hashes (a tier of 100 000 blocks, 1 in 195), so the shadows cost less per
+# block the larger the tier. The trace replays 8 and 32 times larger
+# (`eviction_traces.py --scale`, tiers of 800 to 120 000 blocks) scored 0.914
+# and 0.913 of the optimum with this cap, 0.912 and 0.916 with 4096 keys.
+SHADOW_MAX_KEYS = 512
 # One head placement in BIMODAL_EVERY goes to the tail instead, where a
 # candidate says so: a tier full of a dead working set still takes a new one
 # (the bimodal insertion of Qureshi et al., ISCA 2007).
@@ -162,10 +162,11 @@ class Duel:
     """
 
     def __init__(self, candidates: Sequence[Insertion], num_blocks: int) -> None:
-        wanted = min(SHADOW_MAX_KEYS, max(min(SHADOW_MIN_KEYS, num_blocks),
-                                          num_blocks // SAMPLE_EVERY))
+        wanted = min(SHADOW_MAX_KEYS, num_blocks // SAMPLE_EVERY)
         #: A block hash whose first two bytes, big-endian, are below this is sampled.
         self.sample_below = max(1, min(1 << 16, round((1 << 16) * wanted / max(1, num_blocks))))
+        #: The largest first byte of a sampled hash (most hashes are ruled out by it).
+        self.sample_first_byte_max = (self.sample_below - 1) >> 8
         #: Keys per shadow: the tier's size times the fraction of hashes sampled.
         self.capacity = max(1, round(num_blocks * self.sample_below / (1 << 16)))
         self.num_sets = max(1, -(-self.capacity // WAYS))

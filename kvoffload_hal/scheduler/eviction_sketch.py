@@ -85,7 +85,7 @@ class RecentHashes:
         self._slots = bytearray(3 * ways * self.num_buckets)
         self._next = bytearray(self.num_buckets)  # per bucket: the slot written next
         self._stamp = 1
-        self._new_keys = 0
+        self._left_in_generation = self.generation_keys  # new keys before the next stamp
 
     @property
     def nbytes(self) -> int:
@@ -99,23 +99,23 @@ class RecentHashes:
     def see_all(self, block_hashes: Iterable[Any]) -> list[bool]:
         """Record each hash in turn; for each, whether it was recent already."""
         slots, ways, next_slot = self._slots, self.ways, self._next
-        num_buckets, live = self.num_buckets, self._live_stamps
-        per_generation = self.generation_keys
-        stamp, new_keys = self._stamp, self._new_keys
+        find, num_buckets, live = slots.find, self.num_buckets, self._live_stamps
+        stamp, left = self._stamp, self._left_in_generation
         third, stamps, bucket_bytes = ways, 2 * ways, 3 * ways
         recent = []
+        seen = recent.append
         for block_hash in block_hashes:
             first, second, tag = block_hash[1], block_hash[2], block_hash[3] & 0xF0
             bucket = int.from_bytes(block_hash, "little") % num_buckets
             start = bucket * bucket_bytes
             end = start + ways
-            at = slots.find(first, start, end)
+            at = find(first, start, end)
             while at >= 0 and (slots[at + third] != second or slots[at + stamps] & 0xF0 != tag):
-                at = slots.find(first, at + 1, end)
+                at = find(first, at + 1, end)
             if at >= 0:
                 old = slots[at + stamps] & 15
                 if old and (stamp - old) % 15 < live:
-                    recent.append(True)
+                    seen(True)
                     continue
                 slots[at + stamps] = 0  # no longer recent: recorded anew below
             slot = next_slot[bucket]
@@ -123,11 +123,11 @@ class RecentHashes:
             slots[at] = first
             slots[at + third] = second
             slots[at + stamps] = tag | stamp
-            next_slot[bucket] = slot + 1 if slot + 1 < ways else 0
-            new_keys += 1
-            if new_keys >= per_generation:
-                new_keys = 0
+            next_slot[bucket] = (slot + 1) % ways
+            left -= 1
+            if not left:
+                left = self.generation_keys
                 stamp = stamp % 15 + 1
-            recent.append(False)
-        self._stamp, self._new_keys = stamp, new_keys
+            seen(False)
+        self._stamp, self._left_in_generation = stamp, left
         return recent
