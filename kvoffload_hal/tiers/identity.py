@@ -1,19 +1,29 @@
 """What makes a stored KV block valid: one fingerprint for every tier that keeps blocks.
 
 A block's key is vLLM's block hash, which names the tokens only: the same
-tokens give the same key under any model (and, with ``PYTHONHASHSEED`` set,
-in any process). So a tier stores each block with the key *and* a
-fingerprint of everything else its bytes depend on, and a read checks both:
+tokens give the same key under any model (and in any process whose block
+hashes have the same seed: :func:`block_hash_seed_is_random`). So a tier
+stores each block with the key *and* a fingerprint of everything else its
+bytes depend on, and a read checks both:
 
-* the model (path or name, revision, quantization) and its dtype;
+* the model (path or name, revision, quantization), a digest of its weights
+  (:mod:`~kvoffload_hal.tiers.weights_digest`) and its dtype;
 * the KV cache: dtype, block size, the layout of every KV tensor (its
   dtype, its shape without the block count, the order of its strides) and
   the KV cache groups (kind, block size, layers of each);
 * the parallel layout: TP and PP sizes and this worker's rank (each rank
   holds its own shard);
-* vLLM's block-hash function and its seed.
+* vLLM's block-hash function and its seed (``PYTHONHASHSEED``).
 
 A mismatch is a miss, recomputed like any other.
+
+vLLM derives the hash of a request's first block from a seed, ``NONE_HASH``:
+with ``PYTHONHASHSEED`` set, from its value; unset, vLLM 0.23 draws 32 random
+bytes per process, whatever the hash algorithm, and vLLM 0.32 uses a fixed
+seed for ``sha256``/``sha256_cbor`` (the default) and a random one for
+``xxhash``/``xxhash_cbor``. A random seed gives every process other block
+hashes, so blocks kept across a restart are never found again:
+:func:`restart_warning` says so at start-up.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from kvoffload_hal.tiers.weights_digest import weights_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,6 +66,8 @@ def kv_fingerprint(vllm_config: VllmConfig, kv_tensors: Sequence[torch.Tensor],
     fields: dict[str, Any] = {
         "model": getattr(model, "model", None),
         "revision": getattr(model, "revision", None),
+        "weights": weights_digest(model, getattr(getattr(vllm_config, "load_config", None),
+                                                 "download_dir", None)),
         "quantization": getattr(model, "quantization", None),
         "dtype": str(getattr(model, "dtype", None)),
         "kv_cache_dtype": getattr(cache, "cache_dtype", None),
@@ -68,3 +82,34 @@ def kv_fingerprint(vllm_config: VllmConfig, kv_tensors: Sequence[torch.Tensor],
     }
     encoded = json.dumps(fields, sort_keys=True, default=str).encode()
     return hashlib.sha256(encoded).digest()
+
+
+def block_hash_seed_is_random(hash_algo: str | None = None) -> bool:
+    """Whether vLLM seeds block hashing with ``hash_algo`` differently in every process.
+
+    Asks vLLM's own seed resolution (``resolve_none_hash_seed``, vLLM 0.32)
+    twice: a random seed differs between the two. A vLLM without it (0.23)
+    draws a random seed whenever ``PYTHONHASHSEED`` is unset.
+    """
+    if os.environ.get("PYTHONHASHSEED") is not None:
+        return False
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:
+        return True
+    resolve = getattr(kv_cache_utils, "resolve_none_hash_seed", None)
+    if resolve is None:
+        return True
+    hash_fn = get_hash_fn_by_name(hash_algo or "sha256")
+    return resolve(hash_fn) != resolve(hash_fn)
+
+
+def restart_warning(kept: bool, path: str, hash_algo: str | None = None) -> str | None:
+    """The one-line start-up warning for a tier whose blocks in ``path`` outlive the
+    server (``kept``) while block hashes are seeded at random, else None."""
+    if not kept or not block_hash_seed_is_random(hash_algo):
+        return None
+    return (f"kvoffload-hal: blocks kept in {path} cannot be found again after a restart: "
+            f"vLLM seeds block hashes ({hash_algo or 'sha256'}) at random when PYTHONHASHSEED "
+            "is unset; set PYTHONHASHSEED (any fixed value, the same for every restart)")
