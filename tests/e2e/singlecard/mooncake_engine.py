@@ -1,6 +1,6 @@
 """One engine of the Mooncake tests, run as its own process.
 
-``python mooncake_engine.py MODEL MASTER SYNC_DIR NAME ROLE`` with ROLE
+``python mooncake_engine.py MODEL MASTER SYNC_DIR NAME ROLE [options]`` with ROLE
 
 * ``writer``: serves the documents (cold), waits until its blocks are in the
   store, says ``NAME.stored``, then waits for the readers (its memory is part
@@ -10,10 +10,21 @@
 
 then every engine waits for ``master.killed`` (the test kills the master),
 forgets its prefix caches and serves the documents again (``after_kill``).
-Prints one JSON line: tokens of each pass, cached tokens, the connector's
-counters after each stage, and the after-kill pass's seconds.
+Prints one JSON line (also written to ``SYNC_DIR/NAME.json``): tokens of each
+pass, cached tokens, the connector's counters after each stage, and the
+after-kill pass's seconds, in all and per request.
+
+Options, for engines on hosts of their own (``test_mooncake_netns.py``):
+``--local-hostname`` (the address peers reach this engine at),
+``--readers`` (whose ``.read`` the writer waits for), ``--start-after``
+(a file to wait for before the engine starts, so that its segment joins the
+pool after the writer's objects are placed), ``--after`` and ``--after-stage``
+(the file the last pass waits for, and its name; an empty ``--after``: no
+last pass, the engine stays up until it is killed), ``--no-drain-after``
+(the last pass does not wait for its writes).
 """
 
+import argparse
 import json
 import os
 import sys
@@ -25,6 +36,7 @@ from kvoffload_hal.demo.tiny_model import synthetic_text
 NUM_DOCS = 3
 BLOCK_BYTES = 2 * 32 * 2 * 128 * 2  # layers x tokens x heads x (K+V)·head_dim x bf16
 WAIT_S = 400
+TIMEOUT_S = 2.0  # mooncake_timeout_s
 
 
 def wait_for(sync_dir: str, name: str) -> None:
@@ -50,35 +62,61 @@ def drain(llm, params) -> None:
     raise SystemExit("spills still in flight")
 
 
-def main(model: str, master: str, sync_dir: str, name: str, role: str) -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    for name in ("model", "master", "sync_dir", "name", "role"):
+        parser.add_argument(name)
+    parser.add_argument("--local-hostname", default=None)
+    parser.add_argument("--readers", default="bc")
+    parser.add_argument("--start-after", default=None)
+    parser.add_argument("--after", default="master.killed")
+    parser.add_argument("--after-stage", default="after_kill")
+    parser.add_argument("--no-drain-after", action="store_true")
+    return parser.parse_args(argv)
+
+
+def make_engine(args: argparse.Namespace):
+    extra = {"mooncake_master": args.master, "mooncake_segment_bytes": 32 << 20,
+             "mooncake_buffer_bytes": 16 << 20, "mooncake_timeout_s": TIMEOUT_S}
+    if args.local_hostname is not None:
+        extra["mooncake_local_hostname"] = args.local_hostname
+    if args.start_after is not None:
+        wait_for(args.sync_dir, args.start_after)
+    return make_llm(EngineSpec(args.model, num_gpu_blocks=24, offload=True,
+                               cpu_bytes_to_use=24 * BLOCK_BYTES, extra_config=extra))
+
+
+def main(args: argparse.Namespace) -> None:
     from vllm import SamplingParams
 
-    spec = EngineSpec(model, num_gpu_blocks=24, offload=True, cpu_bytes_to_use=24 * BLOCK_BYTES,
-                      extra_config={"mooncake_master": master,
-                                    "mooncake_segment_bytes": 32 << 20,
-                                    "mooncake_buffer_bytes": 16 << 20,
-                                    "mooncake_timeout_s": 2.0})
-    llm = make_llm(spec)
+    sync_dir, name = args.sync_dir, args.name
+    llm = make_engine(args)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     cold = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                           skip_reading_prefix_cache=True)
     docs = [synthetic_text(180, seed=100 + i) for i in range(NUM_DOCS)]
     totals = scheduler_connector(llm).scheduler.totals.data
-    out: dict = {}
+    out: dict = {"mooncake_timeout_s": TIMEOUT_S}
 
-    def serve(stage: str, sampling) -> None:
-        outs = [llm.generate([d], sampling, use_tqdm=False)[0] for d in docs]
+    def serve(stage: str, sampling, wait_for_writes: bool = True) -> None:
+        outs, seconds = [], []
+        for d in docs:
+            started = time.monotonic()
+            outs.append(llm.generate([d], sampling, use_tqdm=False)[0])
+            seconds.append(time.monotonic() - started)
         out[stage] = [list(o.outputs[0].token_ids) for o in outs]
         out[f"{stage}_cached"] = [o.num_cached_tokens for o in outs]
+        out[f"{stage}_request_s"] = seconds
         out["prompt_tokens"] = [len(o.prompt_token_ids) for o in outs]
-        drain(llm, params)
+        if wait_for_writes:
+            drain(llm, params)
         out[f"{stage}_totals"] = dict(totals)
 
     try:
-        if role == "writer":
+        if args.role == "writer":
             serve("cold", params)
             say(sync_dir, f"{name}.stored")
-            for reader in ("b", "c"):
+            for reader in args.readers:
                 wait_for(sync_dir, f"{reader}.read")
         else:
             wait_for(sync_dir, "a.stored")
@@ -86,15 +124,25 @@ def main(model: str, master: str, sync_dir: str, name: str, role: str) -> None:
             llm.reset_prefix_cache(reset_connector=True)
             serve("cold", cold)
             say(sync_dir, f"{name}.read")
-        wait_for(sync_dir, "master.killed")
-        llm.reset_prefix_cache(reset_connector=True)
-        started = time.monotonic()
-        serve("after_kill", params)
-        out["after_kill_s"] = time.monotonic() - started
-        print(json.dumps(out))
+        if args.after:
+            wait_for(sync_dir, args.after)
+            llm.reset_prefix_cache(reset_connector=True)
+            started = time.monotonic()
+            serve(args.after_stage, params, wait_for_writes=not args.no_drain_after)
+            out[f"{args.after_stage}_s"] = time.monotonic() - started
+        report(sync_dir, name, out)
+        while not args.after:  # stays up (its segment with it) until it is killed
+            time.sleep(1)
     finally:
         close_llm(llm)
 
 
+def report(sync_dir: str, name: str, out: dict) -> None:
+    print(json.dumps(out), flush=True)
+    with open(os.path.join(sync_dir, f"{name}.json.tmp"), "w") as f:
+        json.dump(out, f)
+    os.replace(os.path.join(sync_dir, f"{name}.json.tmp"), os.path.join(sync_dir, f"{name}.json"))
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(parse_args(sys.argv[1:]))
