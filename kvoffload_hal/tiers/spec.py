@@ -64,6 +64,7 @@ class WorkerTierContext:
     host_chunks: tuple[torch.Tensor, ...]  # the CPU tier's host memory, 1-D uint8 buffers
     host_views: list[torch.Tensor]  # one uint8 [num_cpu_blocks, block_bytes] view per region
     fingerprint: bytes  # what a block's bytes depend on (tiers/identity.py)
+    block_hash_algo: str | None = None  # vLLM's prefix-caching hash (restarts need its seed)
 
 
 class TierSpec(ABC):

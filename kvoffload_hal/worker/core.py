@@ -112,7 +112,8 @@ class OffloadWorker:
             self.tier = build_worker_half(self.config.tier, True, WorkerTierContext(
                 self.rank, self.world_size, self.host.chunks, self.host.region_views(),
                 kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank,
-                               self.kv_cache_config)))
+                               self.kv_cache_config),
+                getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)))
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB in %d host allocation(s)) on the %r backend",

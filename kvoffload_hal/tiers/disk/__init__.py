@@ -97,9 +97,16 @@ class DiskTierSpec(TierSpec):
 
     def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:
         from kvoffload_hal.tiers.disk.worker import DiskTier
+        from kvoffload_hal.tiers.identity import restart_warning
 
+        keep = self.keep
+        warning = restart_warning(keep, self.path, ctx.block_hash_algo)
+        if warning is not None:  # its blocks could never be found: nothing to adopt
+            if ctx.rank == 0:
+                logger.warning("%s; the blocks of earlier servers are removed", warning)
+            keep = False
         return DiskTier(self.path, ctx.rank, ctx.host_views, self.o_direct, ctx.fingerprint,
-                        keep=self.keep)
+                        keep=keep)
 
 
 def _absolute_dir(value: Any) -> str:

@@ -139,3 +139,21 @@ def test_two_servers_starting_at_once_never_adopt_the_same_directory(tmp_path):
         assert {MARKER, LOCK, FINGERPRINT} <= set(os.listdir(d))
     a.close(remove=False)
     b.close(remove=True)
+
+
+def test_with_a_random_hash_seed_nothing_is_adopted_and_one_line_says_why(
+        make_engine, tmp_path, monkeypatch, caplog):
+    """vLLM 0.23 seeds block hashes at random without PYTHONHASHSEED (0.32 does for
+    sha256 only with xxhash): kept blocks could never be found again."""
+    from kvoffload_hal.tiers.identity import block_hash_seed_is_random
+
+    monkeypatch.delenv("PYTHONHASHSEED")
+    random_seed = block_hash_seed_is_random("sha256")
+    _first_engine(make_engine, tmp_path)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        engine = _engine(make_engine, tmp_path)
+        engine.drain()
+    said = [r.getMessage() for r in caplog.records if "PYTHONHASHSEED" in r.getMessage()]
+    assert len(said) == (1 if random_seed else 0)
+    assert engine.offload.cascade.rebuild.adopted == (0 if random_seed else 30)
