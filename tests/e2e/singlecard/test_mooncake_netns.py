@@ -120,8 +120,8 @@ def test_the_second_host_reads_the_first_hosts_blocks_over_tcp(hosts):
 def test_cutting_the_first_host_off_mid_run_degrades_the_second_to_recompute(hosts):
     b = hosts["b"]
     assert b["after_down"] == b["cold"]  # no wrong token
-    before = b["warm_totals"]["blocks_from_mooncake"]
-    assert b["after_down_totals"]["blocks_from_mooncake"] == before
+    before = b["warm_totals"].get("blocks_from_mooncake", 0)
+    assert b["after_down_totals"].get("blocks_from_mooncake", 0) == before
     # B did go to the store for them, and gave up on A instead of waiting for it.
     totals = b["after_down_totals"]
     assert totals.get("mooncake_timeouts", 0) + totals.get("mooncake_failed_blocks", 0) > 0
