@@ -21,9 +21,18 @@ Only the connector's scheduler calls are timed (``perf_counter`` around
 ``take_events``, ``get_kv_connector_stats``); vLLM's own scheduling is not.
 Prints a table and writes ``docs/benchmarks/scheduler_overhead.{md,png}``.
 
+``--prefill`` starts our CPU tier full of blocks no request reads (stored as
+store jobs publish them): with ``--compare-eviction`` it compares the eviction
+policies on a full tier, per step and in CPU-tier loads. ``--memory`` measures
+instead the start-up time and steady-state memory of the scheduler side by
+CPU-tier size (``scheduler_overhead_memory.py``; writes
+``docs/benchmarks/scheduler_overhead_memory.md``).
+
     python benchmarks/scheduler_overhead.py [--cpu-blocks 1000 10000 100000]
                                             [--requests 10 100 1000] [--steps 150] [--repeats 3]
-                                            [--quick]
+                                            [--prefill] [--compare-eviction] [--quick]
+    python benchmarks/scheduler_overhead.py --memory [--memory-blocks 10000 100000 1000000 4000000]
+                                            [--trace]
 """
 
 from __future__ import annotations
@@ -37,7 +46,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from scheduler_overhead_points import OURS, TIMED, UPSTREAM, Point
-from scheduler_overhead_report import format_eviction_table, format_table, write_plot
+from scheduler_overhead_report import (
+    format_eviction_table,
+    format_memory_table,
+    format_table,
+    write_plot,
+)
 
 from kvoffload_hal.demo.inprocess import set_inprocess_env
 from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
@@ -268,6 +282,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(ours only: compare eviction policies on a full tier)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per point, connectors alternating; the fastest is kept")
+    parser.add_argument("--memory", action="store_true",
+                        help="instead: start-up time and steady-state memory of the scheduler "
+                             "side by CPU-tier size (scheduler_overhead_memory.py)")
+    parser.add_argument("--memory-blocks", type=int, nargs="+",
+                        default=[10_000, 100_000, 1_000_000, 4_000_000])
+    parser.add_argument("--steady-tiers", type=float, default=9.0,
+                        help="--memory: blocks stored before measuring, in tier sizes (9: past the "
+                             "8 tier sizes of hashes the first adaptive policy kept)")
+    parser.add_argument("--trace", action="store_true",
+                        help="--memory: also measure with tracemalloc (a second process each)")
     parser.add_argument("--quick", action="store_true",
                         help="1000 CPU blocks, 10 and 100 requests, 40 steps; no files written")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
@@ -307,8 +331,29 @@ def measure(args: argparse.Namespace, model: str) -> tuple[list[Point], list[Poi
     return points, by_eviction
 
 
+def main_memory(args: argparse.Namespace) -> None:
+    from scheduler_overhead_memory import measure_memory
+
+    sizes = [10_000] if args.quick else args.memory_blocks
+    rows = measure_memory(sizes, list(EVICTION_POLICIES), args.steady_tiers, args.trace)
+    table = format_memory_table(rows)
+    print(table)
+    if args.quick:
+        return
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    setup = (f"each CPU block stored {args.steady_tiers:g} times over in jobs of 256 new hashes, "
+             "16 blocks loaded every fourth job; one process per row (RSS against the process "
+             "before the scheduler was built)")
+    (args.out_dir / "scheduler_overhead_memory.md").write_text(
+        f"# Scheduler side: start-up and steady-state memory\n\n{setup}.\n\n{table}\n")
+    print(f"wrote {args.out_dir / 'scheduler_overhead_memory.md'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.memory:
+        main_memory(args)
+        return
     import logging
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
@@ -316,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     table = format_table(points)
     if by_eviction:
         table += ("\n\nOurs with each eviction policy (alternating in the same run), µs per "
-                  "step:\n\n" + format_eviction_table(by_eviction, "lru"))
+                  "step and CPU-tier loads (requests):\n\n"
+                  + format_eviction_table(by_eviction, "lru"))
     print(table)
     if args.quick:
         return
@@ -326,11 +372,15 @@ def main(argv: list[str] | None = None) -> None:
              f"{DEVICE_FRACTION:.0%} of the live requests' need; best of {args.repeats} runs "
              f"(connectors alternating); garbage collection off while timing; seed {args.seed}; "
              f"eviction {args.eviction}")
-    (args.out_dir / "scheduler_overhead.md").write_text(
-        f"# Scheduler-side connector overhead\n\n{setup}.\n\n{table}\n\n"
-        "![plot](scheduler_overhead.png)\n")
-    write_plot(points, args.out_dir / "scheduler_overhead.png")
-    print(f"wrote {args.out_dir / 'scheduler_overhead.md'} and scheduler_overhead.png")
+    # A run on a full tier goes beside the main table, not over it.
+    name, title = "scheduler_overhead", "Scheduler-side connector overhead"
+    if args.prefill:
+        name, title = "scheduler_overhead_full_tier", title + ", CPU tier full of unused blocks"
+        setup += "; our CPU tier starts full of blocks no request reads"
+    (args.out_dir / f"{name}.md").write_text(
+        f"# {title}\n\n{setup}.\n\n{table}\n\n![plot]({name}.png)\n")
+    write_plot(points, args.out_dir / f"{name}.png")
+    print(f"wrote {args.out_dir / name}.md and .png")
 
 
 if __name__ == "__main__":

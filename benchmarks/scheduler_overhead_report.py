@@ -45,18 +45,24 @@ def format_table(points: list[Point]) -> str:
 
 
 def format_eviction_table(points: list[Point], reference: str) -> str:
-    """Ours with each eviction policy, µs per step, against ``reference``."""
+    """Ours with each eviction policy, µs per step and CPU-tier loads, against ``reference``."""
     evictions = list(dict.fromkeys(p.extra["eviction"] for p in points))
-    cost = {(p.cpu_blocks, p.live_requests, p.extra["eviction"]): p.us_per_step for p in points}
+    others = [e for e in evictions if e != reference]
+    by = {(p.cpu_blocks, p.live_requests, p.extra["eviction"]): p for p in points}
     lines = ["| CPU blocks | live requests | " + " | ".join(f"{e} µs/step" for e in evictions)
-             + " | " + " | ".join(f"{e}/{reference}" for e in evictions if e != reference) + " |",
-             "|---:|---:|" + "---:|" * (2 * len(evictions) - 1)]
+             + " | " + " | ".join(f"{e}/{reference}" for e in others) + " | "
+             + " | ".join(f"{e} loads" for e in evictions) + " | "
+             + " | ".join(f"{e}/{reference} loads" for e in others) + " |",
+             "|---:|---:|" + "---:|" * (2 * len(evictions) + 2 * len(others))]
     for nb, live in sorted({(p.cpu_blocks, p.live_requests) for p in points}):
-        ref = cost[nb, live, reference]
+        ref = by[nb, live, reference]
         lines.append(f"| {nb} | {live} | "
-                     + " | ".join(f"{cost[nb, live, e]:.0f}" for e in evictions) + " | "
-                     + " | ".join(f"{cost[nb, live, e] / ref:.2f}" for e in evictions
-                                  if e != reference) + " |")
+                     + " | ".join(f"{by[nb, live, e].us_per_step:.0f}" for e in evictions) + " | "
+                     + " | ".join(f"{by[nb, live, e].us_per_step / ref.us_per_step:.2f}"
+                                  for e in others) + " | "
+                     + " | ".join(f"{by[nb, live, e].loads}" for e in evictions) + " | "
+                     + " | ".join(f"{by[nb, live, e].loads / max(1, ref.loads):.2f}"
+                                  for e in others) + " |")
     return "\n".join(lines)
 
 
@@ -85,3 +91,37 @@ def write_plot(points: list[Point], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f}"
+
+
+def format_memory_table(rows: list[dict], reference: str = "lru") -> str:
+    """Start-up and steady-state memory by CPU-tier size and eviction policy
+    (``scheduler_overhead_memory.py``), then each policy's extra over ``reference``."""
+    traced = all("traced_steady" in r for r in rows)
+    lines = ["| CPU blocks | eviction | start-up s | RSS after start-up MiB | RSS steady MiB "
+             "| RSS peak MiB |" + (" traced steady MiB | eviction modules B/block |" if traced
+                                   else ""),
+             "|---:|:---|---:|---:|---:|---:|" + ("---:|---:|" if traced else "")]
+    for r in rows:
+        line = (f"| {r['cpu_blocks']} | {r['eviction']} | {r['startup_s']:.2f} | "
+                f"{_mib(r['rss_startup'])} | {_mib(r['rss_steady'])} | {_mib(r['rss_peak'])} |")
+        if traced:
+            line += (f" {_mib(r['traced_steady'])} | "
+                     f"{r['eviction_traced'] / r['cpu_blocks']:.1f} |")
+        lines.append(line)
+    by_key = {(r["cpu_blocks"], r["eviction"]): r for r in rows}
+    extra = [f"| CPU blocks | eviction | RSS steady B/block over {reference} |"
+             + (f" traced steady B/block over {reference} |" if traced else ""),
+             "|---:|:---|---:|" + ("---:|" if traced else "")]
+    for (blocks, eviction), r in sorted(by_key.items()):
+        ref = by_key.get((blocks, reference))
+        if ref is None or eviction == reference:
+            continue
+        line = f"| {blocks} | {eviction} | {(r['rss_steady'] - ref['rss_steady']) / blocks:.1f} |"
+        if traced:
+            line += f" {(r['traced_steady'] - ref['traced_steady']) / blocks:.1f} |"
+        extra.append(line)
+    return "\n".join(lines + [""] + extra)
