@@ -1,5 +1,7 @@
 """SharedTierCascade against a real CpuTier: existence queries, bounded waits, what is learned."""
 
+import itertools
+
 import pytest
 
 from kvoffload_hal.metadata import JobReport
@@ -59,6 +61,28 @@ def test_a_miss_asks_the_store_then_promotes_what_every_rank_holds(shared):
     assert tiers.lookup(req, (), 2, 4) is False  # the store has nothing more for it
     tiers.request_finished(req.request_id)
     assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_a_key_any_rank_misses_is_never_learned_whatever_order_the_ranks_report_in(
+        make_engine, order):
+    engine = make_engine(cpu_blocks=8)
+    tiers = SharedTierCascade(SharedTierIndex(64), engine.offload.cpu, world_size=3,
+                              stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=Clock())
+    req = _request(engine, 4)
+    keys = _keys(req, 4)
+    assert tiers.lookup(req, (), 0, 4) is True
+    probe = tiers.take_jobs().probe
+    missing = {0: (keys[3],), 1: (keys[1],), 2: ()}  # rank 2 holds everything
+    for rank in order:
+        tiers.on_reports({probe.job_id: JobReport(ranks=1, failed_keys=missing[rank])})
+    assert [k for k in keys if tiers.index.is_ready(k)] == [keys[0], keys[2]]
+    assert tiers.lookup(req, (), 0, 4) is True
+    promote = tiers.take_jobs().promote  # a prefix: up to the first block some rank lacks
+    assert [k for k, _ in promote.items] == keys[:1]
+    tiers.on_reports({promote.job_id: JobReport(ranks=3)})
+    tiers.request_finished(req.request_id)
+    assert engine.offload.cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
 
 
 def test_a_probe_that_does_not_answer_in_time_is_a_miss(shared):
