@@ -13,7 +13,7 @@ key                             default          meaning
 ``mooncake_metadata_server``    ``P2PHANDSHAKE`` Mooncake's metadata service
 ``mooncake_rdma_devices``       ``""``           RDMA devices for ``rdma`` (empty: all)
 ``mooncake_segment_bytes``      1 GiB            host memory each rank adds to the cluster's
-                                                 pool (int bytes > 0)
+                                                 pool (int bytes, at least 16 MiB)
 ``mooncake_buffer_bytes``       64 MiB           the client's own transfer buffer (int > 0)
 ``mooncake_timeout_s``          5.0              longest a request waits for an existence
                                                  query or a read (it then recomputes)
@@ -50,6 +50,9 @@ MOONCAKE_KEYS = ("mooncake_master", "mooncake_protocol", "mooncake_local_hostnam
 # InfiniBand/RoCE, ascend in its NPU build (mooncake-transfer-engine-npu).
 PROTOCOLS = ("tcp", "rdma", "ascend")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The client refuses a smaller segment: setup returns -600 and its log says "Total
+# size must be at least 16777216" (client_buffer_allocation.cpp, client 0.3.13).
+MIN_SEGMENT_BYTES = 16 << 20
 
 
 def parse_address(key: str, value: Any) -> tuple[str, int]:
@@ -79,6 +82,15 @@ class MooncakeConfig:
         return parse_address("mooncake_master", self.master)
 
 
+def segment_size(value: Any) -> int:
+    """``mooncake_segment_bytes``, refused here rather than by the client's setup."""
+    value = positive_int("mooncake_segment_bytes", value)
+    if value < MIN_SEGMENT_BYTES:
+        raise ValueError(f"{where('mooncake_segment_bytes', value)}: the Mooncake client "
+                         f"needs a segment of at least {MIN_SEGMENT_BYTES} bytes (16 MiB)")
+    return value
+
+
 def parse_mooncake(extra: dict[str, Any]) -> MooncakeConfig | None:
     """The Mooncake tier's configuration, or None when ``mooncake_master`` is unset."""
     master = extra.get("mooncake_master")
@@ -105,8 +117,7 @@ def parse_mooncake(extra: dict[str, Any]) -> MooncakeConfig | None:
                              extra.get("mooncake_metadata_server", "P2PHANDSHAKE")),
         rdma_devices=text("mooncake_rdma_devices", extra.get("mooncake_rdma_devices", ""),
                           allow_empty=True),
-        segment_bytes=positive_int("mooncake_segment_bytes",
-                                   extra.get("mooncake_segment_bytes", 1 << 30)),
+        segment_bytes=segment_size(extra.get("mooncake_segment_bytes", 1 << 30)),
         buffer_bytes=positive_int("mooncake_buffer_bytes",
                                   extra.get("mooncake_buffer_bytes", 64 << 20)),
         timeout_s=positive_seconds("mooncake_timeout_s", extra.get("mooncake_timeout_s", 5.0)),

@@ -10,10 +10,10 @@ MASTER = {"mooncake_master": "127.0.0.1:50051"}
 def test_defaults_and_values_are_parsed():
     assert OffloadConfig.from_extra_config({}).tier is None
     cfg = OffloadConfig.from_extra_config({
-        **MASTER, "mooncake_protocol": "rdma", "mooncake_segment_bytes": 1 << 20,
+        **MASTER, "mooncake_protocol": "rdma", "mooncake_segment_bytes": 16 << 20,
         "mooncake_timeout_s": 0.5, "mooncake_required": True}).tier.config
     assert cfg.master_host_port == ("127.0.0.1", 50051) and cfg.protocol == "rdma"
-    assert cfg.local_hostname == "127.0.0.1" and cfg.segment_bytes == 1 << 20
+    assert cfg.local_hostname == "127.0.0.1" and cfg.segment_bytes == 16 << 20
     assert cfg.timeout_s == 0.5 and cfg.required
 
 
@@ -22,6 +22,9 @@ def test_defaults_and_values_are_parsed():
     ({"mooncake_master": "h:99999"}, "expected host:port"),
     ({**MASTER, "mooncake_protocol": "udp"}, "expected one of tcp, rdma, ascend"),
     ({**MASTER, "mooncake_segment_bytes": 0}, r"\['mooncake_segment_bytes'\]=0"),
+    ({**MASTER, "mooncake_segment_bytes": (16 << 20) - 1},
+     r"\['mooncake_segment_bytes'\]=16777215: the Mooncake client needs a segment of at "
+     r"least 16777216 bytes \(16 MiB\)"),
     ({**MASTER, "mooncake_timeout_s": True}, "expected a number of seconds"),
     ({**MASTER, "mooncake_required": "yes"}, "expected true or false"),
     ({"mooncake_timeout_s": 1.0}, "'mooncake_master' is not"),

@@ -198,3 +198,18 @@ def test_a_peer_that_left_fails_its_blocks_and_nothing_is_read_wrong(master):
         assert _wait(b, timeout_s=60)[3].failed_keys == ("k1",)
     finally:
         b.shutdown(5.0)
+
+
+def test_the_smallest_segment_the_config_accepts_is_the_clients_own_minimum(master):
+    from mooncake.store import MooncakeDistributedStore
+
+    from kvoffload_hal.tiers.mooncake.config import MIN_SEGMENT_BYTES
+
+    codes = {}
+    for size in (MIN_SEGMENT_BYTES - 1, MIN_SEGMENT_BYTES):
+        client = MooncakeDistributedStore()
+        codes[size] = client.setup("127.0.0.1", "P2PHANDSHAKE", size, 16 << 20, "tcp", "",
+                                   master.address)
+        if codes[size] == 0:
+            client.close()
+    assert codes[MIN_SEGMENT_BYTES] == 0 and codes[MIN_SEGMENT_BYTES - 1] != 0, codes
