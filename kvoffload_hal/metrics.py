@@ -38,6 +38,15 @@ COUNTERS: dict[str, str] = {
     "mooncake_timeouts": "Mooncake queries or reads a request stopped waiting for (recomputed)",
     "mooncake_failed_blocks": "Mooncake blocks that failed to write or read (missing, evicted, "
                               "corrupted, unreachable): recomputed, never used",
+    "mooncake_breaker_opens": "Times the Mooncake tier's circuit breaker opened after being "
+                              "closed (the tier skipped; opens - closes is 1 while it is "
+                              "open or probing)",
+    "mooncake_breaker_reopens": "Probes of the Mooncake tier that failed: skipped again, for a "
+                                "longer window",
+    "mooncake_breaker_closes": "Times the Mooncake tier's circuit breaker closed (the tier "
+                               "answered again)",
+    "mooncake_breaker_skips": "Lookups answered as a miss and spills not sent because the "
+                              "Mooncake tier's circuit breaker was open",
     "copy_path_fallbacks": "Workers whose backend left its batched copy call for a per-copy "
                            "loop because the runtime answered 'not supported'",
 }
@@ -69,6 +78,15 @@ class _Recorder:
                         failed: int = 0) -> None:
         for key, value in (("blocks_to_mooncake", spilled), ("blocks_from_mooncake", promoted),
                            ("mooncake_timeouts", timeouts), ("mooncake_failed_blocks", failed)):
+            if value:
+                self._add(key, value)
+
+    def record_breaker(self, opened: int = 0, reopened: int = 0, closed: int = 0,
+                       skipped: int = 0) -> None:
+        for key, value in (("mooncake_breaker_opens", opened),
+                           ("mooncake_breaker_reopens", reopened),
+                           ("mooncake_breaker_closes", closed),
+                           ("mooncake_breaker_skips", skipped)):
             if value:
                 self._add(key, value)
 

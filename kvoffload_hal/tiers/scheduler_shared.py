@@ -19,6 +19,16 @@ other instances wrote, and loses objects the master evicts. So:
   ``mooncake_timeouts``). A promotion it stopped waiting for keeps its CPU
   blocks referenced until the workers report it, so a late read never writes
   into a reused block.
+* A **circuit breaker** (:mod:`~kvoffload_hal.tiers.breaker`) turns those
+  outcomes into one decision: a timeout, or three jobs in a row that failed
+  as a whole (every key), open it. While it is open, lookups answer a miss at
+  once (no query, no wait; requests already waiting stop waiting) and spills
+  are not sent; after a backoff window (1 s, doubling to 60 s) one request is
+  let through as the probe, and any answer in time closes it. A job in flight
+  past ``mooncake_timeout_s`` with no request waiting (a spill) opens it too.
+  While it is not closed, jobs in flight do not count as pending work: an
+  idle engine does not step for jobs stuck on a frozen store; their reports
+  are collected at its next step.
 """
 
 from __future__ import annotations
@@ -26,15 +36,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import RankTally
+from kvoffload_hal.tiers.breaker import BreakerState, CircuitBreaker
 from kvoffload_hal.tiers.scheduler_cascade import TierCascade, TierStep
 from kvoffload_hal.tiers.scheduler_index import TierIndex, _Entry
 from kvoffload_hal.tiers.worker_tier import BlockKey
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
     from kvoffload_hal.metrics import StatsLedger
@@ -79,8 +91,63 @@ class SharedTierCascade(TierCascade):
         self._probes: dict[str, _Probe] = {}
         self._promote_started: dict[str, float] = {}
         self._waiting_since: dict[str, float] = {}  # on another request's promotion
+        self._sent_at: dict[int, float] = {}  # jobs in flight not yet found overdue
+        self.breaker = CircuitBreaker("Mooncake tier", timeout_s, self._on_breaker,
+                                      clock=clock)
 
+    # ------------------------------------------------------- the breaker
+    def _on_breaker(self, old: BreakerState, new: BreakerState) -> None:
+        if new is BreakerState.OPEN:
+            self._sent_at.clear()  # what is in flight now is the frozen store's: counted
+            opened = old is BreakerState.CLOSED
+            self.stats.record_breaker(opened=int(opened), reopened=int(not opened))
+        elif new is BreakerState.CLOSED:
+            self.stats.record_breaker(closed=1)
+
+    def _skip(self, req_id: str) -> bool:
+        """The breaker is open: a miss at once, and stop waiting for what was sent."""
+        self._probes.pop(req_id, None)
+        job = self._promoting.pop(req_id, None)
+        if job is not None:
+            job.req_id = None  # completes (and is published) without the request
+        self._release_promoted(req_id)
+        self._no_promotion.add(req_id)
+        self.stats.record_breaker(skipped=1)
+        return False
+
+    def _note_overdue(self) -> None:
+        """A job in flight past the timeout opens a closed breaker, once per job (a
+        half-open one times its probe out itself)."""
+        if self.breaker.state is not BreakerState.CLOSED:
+            return
+        now = self._clock()
+        for job_id, sent_at in list(self._sent_at.items()):
+            if job_id not in self._sent:
+                del self._sent_at[job_id]
+            elif now - sent_at > self.timeout_s:
+                del self._sent_at[job_id]
+                self.breaker.timeout()
+
+    def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
+        if self.breaker.state is not BreakerState.CLOSED:
+            self.stats.record_breaker(skipped=1)  # not written: recomputed if wanted
+            return
+        super().on_published(blocks, hashes)
+
+    # ----------------------------------------------------------- lookups
     def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
+        req_id = request.request_id
+        if req_id in self._no_promotion:
+            return False
+        if not self.breaker.allow(req_id):
+            return self._skip(req_id)
+        waits = self._promote_or_wait(request, hit, first_block, end_block)
+        if not waits:
+            self.breaker.cancel(req_id)  # sent nothing: another request probes
+        return waits
+
+    def _promote_or_wait(self, request: Request, hit: Hit, first_block: int,
+                         end_block: int) -> bool:
         req_id = request.request_id
         now = self._clock()
         if req_id in self._promoting:
@@ -114,6 +181,7 @@ class SharedTierCascade(TierCascade):
         self._release_promoted(req_id)  # what it kept while waiting
         self._no_promotion.add(req_id)
         self.stats.record_mooncake(timeouts=1)
+        self.breaker.timeout()
         return False
 
     def request_finished(self, req_id: str) -> None:
@@ -124,15 +192,20 @@ class SharedTierCascade(TierCascade):
 
     # ---------------------------------------------------------- per step
     def take_jobs(self) -> TierJobs:
+        self._note_overdue()
         jobs = super().take_jobs()
         new = [p for p in self._probes.values() if p.job_id is None]
-        if not new:
-            return jobs
-        job_id = self._sent.send(TierStep("probe", new))
-        for probe in new:
-            probe.job_id = job_id
-        keys = list(dict.fromkeys(k for p in new for k in p.keys))
-        return jobs._replace(probe=TierJobSpec(job_id, [(k, -1) for k in keys]))
+        if new:
+            job_id = self._sent.send(TierStep("probe", new))
+            for probe in new:
+                probe.job_id = job_id
+            keys = list(dict.fromkeys(k for p in new for k in p.keys))
+            jobs = jobs._replace(probe=TierJobSpec(job_id, [(k, -1) for k in keys]))
+        now = self._clock()
+        for spec in (jobs.spill, jobs.promote, jobs.probe):
+            if spec is not None:
+                self._sent_at[spec.job_id] = now
+        return jobs
 
     def on_reports(self, reports: dict[int, JobReport]) -> None:
         failed_blocks = sum(len(r.failed_keys) for j, r in reports.items()
@@ -142,8 +215,12 @@ class SharedTierCascade(TierCascade):
 
     def _on_done(self, step: TierStep, tally: RankTally) -> None:
         if step.kind != "probe":
+            keys = {k for job in step.jobs for k in job.keys}
+            failed_as_a_whole = bool(keys) and keys <= tally.failed_keys
+            (self.breaker.error if failed_as_a_whole else self.breaker.success)()
             super()._on_done(step, tally)
             return
+        self.breaker.success()  # answered (a key it lacks is an answer too)
         for probe in step.jobs:  # a block is readable when every rank holds its shard
             probe.missing.update(tally.failed_keys)
             self.index.learn(k for k in probe.keys if k not in probe.missing)
@@ -162,4 +239,8 @@ class SharedTierCascade(TierCascade):
                     probe.keys = []  # answered after the reset: learn nothing
 
     def has_pending(self) -> bool:
-        return super().has_pending() or any(p.job_id is None for p in self._probes.values())
+        self._note_overdue()
+        unsent = bool(self._queued) or any(p.job_id is None for p in self._probes.values())
+        if self.breaker.state is not BreakerState.CLOSED:
+            return unsent  # jobs stuck on a broken store are no work: module docstring
+        return unsent or super().has_pending()

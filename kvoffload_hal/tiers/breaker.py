@@ -1,0 +1,128 @@
+"""A circuit breaker for a tier that stopped answering: skip it, then probe it cheaply.
+
+A frozen store costs every request that waits on it a full timeout. The
+breaker turns those outcomes into one decision the scheduler asks before
+sending anything:
+
+* **closed**: the tier is used. A timeout opens the breaker at once (it
+  already cost a request a full timeout); errors open it after
+  ``max_errors`` in a row. Any success resets the count.
+* **open**: the tier is skipped (lookups answer a miss at once, spills are
+  not sent) for a backoff window: ``base_backoff_s`` the first time, doubled
+  at each reopening up to ``max_backoff_s``.
+* **half-open**: the window passed; one caller (the *probe*) is let through
+  and the others still skip. Its success closes the breaker and resets the
+  backoff; its failure, or no outcome within ``probe_timeout_s``, reopens it
+  with the next, longer window.
+
+Each transition is logged once (one line per transition, not per request) and
+reported to ``on_transition(old, new)`` for the metrics. The clock is
+injectable; nothing here sleeps or touches the network.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import Enum
+
+from kvoffload_hal.logger import init_logger
+
+logger = init_logger(__name__)
+
+BASE_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 60.0
+# Errors (a failed write or read reported by every key of a job) in a row that
+# open the breaker: one failed job may be a single bad value, three are not.
+MAX_ERRORS = 3
+
+
+class BreakerState(str, Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+
+
+class CircuitBreaker:
+    """See the module docstring."""
+
+    def __init__(self, label: str, probe_timeout_s: float,
+                 on_transition: Callable[[BreakerState, BreakerState], None] | None = None,
+                 base_backoff_s: float = BASE_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S,
+                 max_errors: int = MAX_ERRORS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.label = label
+        self.probe_timeout_s = probe_timeout_s
+        self.base_backoff_s = base_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_errors = max_errors
+        self._on_transition = on_transition
+        self._clock = clock
+        self.state = BreakerState.CLOSED
+        self.backoff_s = 0.0  # the current (last) open window
+        self._since = clock()  # when the current state began
+        self._errors = 0
+        self._probe: str | None = None  # who was let through while half-open
+
+    def allow(self, caller: str) -> bool:
+        """Whether ``caller`` may use the tier now; an open breaker whose window
+        passed lets this caller through as its probe (half-open)."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.HALF_OPEN and self._probe_expired():
+            self._open(f"the probe had no answer within {self.probe_timeout_s:g} s")
+        if self.state is BreakerState.OPEN:
+            if not self._window_over():
+                return False
+            self._move(BreakerState.HALF_OPEN, "probing with one request")
+        if self._probe is None:
+            self._probe, self._since = caller, self._clock()
+        return caller == self._probe
+
+    def cancel(self, caller: str) -> None:
+        """``caller`` was let through but sent nothing: the next caller probes instead."""
+        if self.state is BreakerState.HALF_OPEN and self._probe == caller:
+            self._probe = None
+
+    def success(self) -> None:
+        """The tier answered in time."""
+        self._errors = 0
+        if self.state is not BreakerState.CLOSED:
+            self.backoff_s = 0.0
+            self._probe = None
+            self._move(BreakerState.CLOSED, "the tier answered")
+
+    def timeout(self) -> None:
+        """A request stopped waiting for the tier: opens the breaker now."""
+        if self.state is not BreakerState.OPEN:
+            self._open("a request waited its full timeout")
+
+    def error(self) -> None:
+        """A job failed as a whole (every key)."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._open("the probe failed")
+        elif self.state is BreakerState.CLOSED:
+            self._errors += 1
+            if self._errors >= self.max_errors:
+                self._open(f"{self._errors} failed jobs in a row")
+
+    # ------------------------------------------------------------ helpers
+    def _window_over(self) -> bool:
+        return self._clock() - self._since >= self.backoff_s
+
+    def _probe_expired(self) -> bool:
+        return self._clock() - self._since > self.probe_timeout_s
+
+    def _open(self, why: str) -> None:
+        self.backoff_s = (self.base_backoff_s if self.backoff_s == 0
+                          else min(self.backoff_s * 2, self.max_backoff_s))
+        self._errors = 0
+        self._probe = None
+        self._move(BreakerState.OPEN, f"{why}; skipped for {self.backoff_s:g} s")
+
+    def _move(self, new: BreakerState, why: str) -> None:
+        old, self.state, self._since = self.state, new, self._clock()
+        log = logger.warning if new is BreakerState.OPEN else logger.info
+        log("%s: circuit breaker %s -> %s (%s)", self.label, old.value, new.value, why)
+        if self._on_transition is not None:
+            self._on_transition(old, new)
