@@ -118,7 +118,7 @@ class AdaptiveEviction(Eviction):
     candidate insertion with the most shadow hits lately says.
 
     Per tier block: its class (one byte, by block id) and 27 bytes of
-    :class:`RecentHashes`; the shadows hold at most 4 x 256 keys of 4 bytes.
+    :class:`RecentHashes`; the shadows hold at most 4 x 512 keys of 4 bytes.
     Nothing grows with the traffic.
     """
 
