@@ -27,7 +27,7 @@ SAMPLE_EVERY = 8
 # ... but no shadow holds more than SHADOW_MAX_KEYS keys: a larger tier samples
 # fewer hashes (a tier of 100 000 blocks, 1 in 195), so the shadows cost less per
 # block the larger the tier. The trace replays 8 and 32 times larger
-# (`eviction_traces.py --scale`, tiers of 800 to 120 000 blocks) scored 0.914
+# (`eviction_traces.py --scale`, tiers of 800 to 120 000 blocks) scored 0.911
 # and 0.913 of the optimum with this cap, 0.912 and 0.916 with 4096 keys, 0.905
 # and 0.909 with 128. A tier that starts full of unused blocks needs the
 # evidence too: with 256 keys, one of 8192 blocks lost a quarter of its hits to
