@@ -23,8 +23,9 @@ other instances wrote, and loses objects the master evicts. So:
   outcomes into one decision: a timeout, or three jobs in a row that failed
   as a whole (every key), open it. While it is open, lookups answer a miss at
   once (no query, no wait; requests already waiting stop waiting) and spills
-  are not sent; after a backoff window (1 s, doubling to 60 s) one request is
-  let through as the probe, and any answer in time closes it. A job in flight
+  are not sent; after a backoff window (1 s, doubling to 60 s) one request (or
+  the spills, when they come first) is let through as the probe, and any
+  answer in time closes it. A job in flight
   past ``mooncake_timeout_s`` with no request waiting (a spill) opens it too.
   While it is not closed, jobs in flight do not count as pending work: an
   idle engine does not step for jobs stuck on a frozen store; their reports
@@ -81,6 +82,10 @@ class _Probe:
     missing: set[BlockKey] = field(default_factory=set)  # on any rank
 
 
+# The breaker's name for spills when they are its probe: a request id never is.
+SPILLS = "(spills)"
+
+
 class SharedTierCascade(TierCascade):
     def __init__(self, index: SharedTierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, timeout_s: float,
@@ -129,10 +134,13 @@ class SharedTierCascade(TierCascade):
                 self.breaker.timeout()
 
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
-        if self.breaker.state is not BreakerState.CLOSED:
+        if not self.breaker.allow(SPILLS):
             self.stats.record_breaker(skipped=1)  # not written: recomputed if wanted
             return
+        queued = len(self._queued)
         super().on_published(blocks, hashes)
+        if len(self._queued) == queued:
+            self.breaker.cancel(SPILLS)  # nothing to write: a later caller probes
 
     # ----------------------------------------------------------- lookups
     def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:

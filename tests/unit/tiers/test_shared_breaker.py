@@ -154,3 +154,17 @@ def test_a_spill_stuck_past_the_timeout_opens_it_and_the_engine_stops_stepping(s
     assert tiers.breaker.state is BreakerState.OPEN and _counters(tiers) == {"opens": 1}
     tiers.on_reports({spill.job_id: JobReport(ranks=2)})
     assert tiers.breaker.state is BreakerState.CLOSED and tiers.index.is_ready(hashes[0].hex())
+
+
+def test_after_the_backoff_spills_may_probe_too(shared):
+    engine, tiers, clock = shared
+    _open_by_a_timeout(engine, tiers, clock)
+    clock.now += 1.0
+    blocks, hashes = _published(engine, 2, seed=1)
+    tiers.on_published(blocks, hashes)  # the first to come after the window: the probe
+    assert tiers.breaker.state is BreakerState.HALF_OPEN
+    later = _request(engine, 3, seed=2)
+    assert tiers.lookup(later, (), 0, 3) is False  # the spills probe: requests skip
+    spill = tiers.take_jobs().spill
+    tiers.on_reports({spill.job_id: JobReport(ranks=2)})
+    assert tiers.breaker.state is BreakerState.CLOSED and tiers.index.is_ready(hashes[0].hex())
