@@ -71,9 +71,15 @@ class NullCascade:
     def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
         """Blocks the workers found from before a restart; ranks done looking."""
 
-    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
-        """After a CPU hit ``hit``: True when the request must ask again later."""
+    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
+               max_blocks: int | None = None) -> bool:
+        """After a CPU hit ``hit``: True when the request must ask again later.
+        ``max_blocks``: promote at most that many CPU blocks (a prefetch's budget)."""
         return False
+
+    def held_for(self, req_id: str) -> int:
+        """CPU blocks promoted, or being promoted, for the request and kept for it."""
+        return 0
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request; a promotion in flight completes without it."""
@@ -138,6 +144,7 @@ class TierCascade(NullCascade):
         self._no_promotion: set[str] = set()
         self._keys_promoting: set[BlockKey] = set()  # one promotion per key at a time
         self._copies_in_flight: Callable[[], bool] = _no_copies
+        self._max_blocks: int | None = None  # during a lookup with a budget
         self.groups = GroupKeys.of(cpu)
 
     def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
@@ -155,7 +162,8 @@ class TierCascade(NullCascade):
         self._queued.append(_TierJob(False, keys, blocks, hashes))
 
     # ----------------------------------------------------------- promotion
-    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
+    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
+               max_blocks: int | None = None) -> bool:
         """Start or await a promotion of blocks ``[first_block, end_block)``.
 
         Blocks promoted for this request were pinned until now; the CPU lookup
@@ -164,11 +172,22 @@ class TierCascade(NullCascade):
         does not fit, what fits is promoted and the rest is recomputed.
         """
         self.cpu.pin_hit(hit)
+        self._max_blocks = max_blocks
         try:
             self._release_promoted(request.request_id)
             return self._promote(request, hit, first_block, end_block)
         finally:
+            self._max_blocks = None
             self.cpu.unpin_hit(hit)
+
+    def held_for(self, req_id: str) -> int:
+        job = self._promoting.get(req_id)
+        return len(self._promoted.get(req_id, ())) + (len(job.blocks) if job else 0)
+
+    def _room(self) -> int:
+        """CPU blocks a promotion may take now."""
+        free = self.cpu.num_free_blocks()
+        return free if self._max_blocks is None else min(free, self._max_blocks)
 
     def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
         req_id = request.request_id
@@ -183,7 +202,7 @@ class TierCascade(NullCascade):
         try:
             # A block another request's promotion brings counts as on its way.
             chosen = self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
-                                      self.cpu.num_free_blocks())
+                                      self._room())
             if not chosen:
                 return (self._waits_for_others(positions)
                         or self._waits_for_room(req_id, positions, [*held, *_blocks(hit)]))
