@@ -39,6 +39,14 @@ class LoadSpec(NamedTuple):
     cpu_blocks: list[int]
     gpu_blocks: list[int]
     sync: bool = False
+    # A round of a staged hit (tiers/staged.py, one request): ``final`` is the
+    # request's asynchronous load, reported in finished_recving once it and every
+    # earlier round of the request landed, failed if any of them failed or
+    # ``failed_gpu_blocks`` (blocks no round filled) is not empty; an earlier round
+    # is reported in the worker metadata's ``rounds``.
+    staged: bool = False
+    final: bool = True
+    failed_gpu_blocks: tuple[int, ...] = ()
 
 
 class StoreSpec(NamedTuple):
@@ -73,6 +81,7 @@ class OffloadMetadata(KVConnectorMetadata):
     load: LoadSpec | None = None
     store: StoreSpec | None = None
     tier: TierJobs = TierJobs()
+    rounds: tuple[LoadSpec, ...] = ()  # staged hits' loads, after ``load`` in job order
     # A request was preempted: wait for every transfer before blocks are reused.
     need_flush: bool = False
 
@@ -99,6 +108,7 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
     stores: dict[int, JobReport] = field(default_factory=dict)
     loads: dict[int, JobReport] = field(default_factory=dict)  # synchronous loads only
+    rounds: dict[int, JobReport] = field(default_factory=dict)  # staged rounds but the last
     tier: dict[int, JobReport] = field(default_factory=dict)
     # Requests whose asynchronous load failed on this rank, for a model with
     # several KV cache groups (vLLM < 0.32 has no per-request failure report).
@@ -109,13 +119,14 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     tier_scans_done: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.tier or self.failed_loads
+        return bool(self.stores or self.loads or self.rounds or self.tier or self.failed_loads
                     or self.tier_found or self.tier_scans_done)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> OffloadWorkerMetadata:
         assert isinstance(other, OffloadWorkerMetadata)
         return OffloadWorkerMetadata(_merge(self.stores, other.stores),
                                      _merge(self.loads, other.loads),
+                                     _merge(self.rounds, other.rounds),
                                      _merge(self.tier, other.tier),
                                      self.failed_loads | other.failed_loads,
                                      self.tier_found + other.tier_found,

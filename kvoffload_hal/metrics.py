@@ -26,6 +26,8 @@ COUNTERS: dict[str, str] = {
     "cpu_hit_tokens": "Prompt tokens served from the CPU tier instead of recomputed",
     "shared_load_waits": "Requests that waited for another request's load of the same CPU "
                          "blocks (then hit the device prefix cache) instead of copying them again",
+    "staged_hits": "Tier hits longer than the CPU tier's room, served in full through it in "
+                   "rounds (promote, load, release, the next blocks)",
     "bytes_stored": "Bytes copied device->CPU (per rank, summed)",
     "bytes_loaded": "Bytes copied CPU->device (per rank, summed)",
     "store_seconds": "Time spent in device->CPU copies",
@@ -35,6 +37,8 @@ COUNTERS: dict[str, str] = {
     "blocks_from_disk": "KV blocks promoted from the disk tier to the CPU tier",
     "blocks_to_mooncake": "KV blocks written from the CPU tier to the Mooncake store",
     "blocks_from_mooncake": "KV blocks promoted from the Mooncake store to the CPU tier",
+    "blocks_prefetched": "KV blocks queued for promotion from a secondary tier into the CPU "
+                         "tier for a waiting request before vLLM's scheduler looked it up",
     "mooncake_timeouts": "Mooncake queries or reads a request stopped waiting for (recomputed)",
     "mooncake_failed_blocks": "Mooncake blocks that failed to write or read (missing, evicted, "
                               "corrupted, unreachable): recomputed, never used",
@@ -65,6 +69,9 @@ class _Recorder:
         self._add("blocks_loaded", num_blocks)
         self._add("cpu_hit_tokens", num_tokens)
 
+    def record_staged_hit(self) -> None:
+        self._add("staged_hits", 1)
+
     def record_shared_load_wait(self) -> None:
         self._add("shared_load_waits", 1)
 
@@ -73,6 +80,9 @@ class _Recorder:
             self._add("blocks_to_disk", spilled)
         if promoted:
             self._add("blocks_from_disk", promoted)
+
+    def record_prefetch(self, num_blocks: int) -> None:
+        self._add("blocks_prefetched", num_blocks)
 
     def record_mooncake(self, spilled: int = 0, promoted: int = 0, timeouts: int = 0,
                         failed: int = 0) -> None:

@@ -45,8 +45,10 @@ from kvoffload_hal.scheduler.store_policy import (
     StorePolicy,
     lazy_window_blocks,
 )
+from kvoffload_hal.tiers.prefetch import build_prefetcher
 from kvoffload_hal.tiers.registry import build_scheduler_half
 from kvoffload_hal.tiers.spec import SchedulerTierContext
+from kvoffload_hal.tiers.staged import StagedHits
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,7 +84,12 @@ class OffloadScheduler:
         self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size)
         self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads,
                               recovery=self._say_load_recovery())
+        self.staged = StagedHits(self.cascade, self.cpu, self.stats, self.world_size,
+                                 block_size, self.loads.job_ids,
+                                 enabled=self.caps.load_recovery != "retry")
         self.cascade.bind_copies(self._copies_in_flight)
+        self.prefetch = build_prefetcher(config, self.caps.secondary_tier, self.cpu,
+                                         self.cascade, block_size, self.stats)
         self.gpu_pool: BlockPool | None = None
         logger.info(
             "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores, "
@@ -114,12 +121,18 @@ class OffloadScheduler:
         self.policy.bind(gpu_pool)
         self.stores.bind(gpu_pool)
         self.loads.bind(gpu_pool)
+        self.staged.bind(gpu_pool)
 
     # --------------------------------------------------------------- loads
+    def on_new_request(self, request: Request) -> None:
+        self.prefetch.add(request)  # tiers/prefetch.py: looked at while it waits
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
+        self.prefetch.forget(req_id)
         self.loads.release_hit(req_id)
+        self.staged.release_pending(req_id)
         if self.loads.in_flight(req_id):
             return None, False  # a load for this request is still in flight: ask later
         if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
@@ -133,10 +146,19 @@ class OffloadScheduler:
         if hit_tokens > 0 and self.loads.wait_for_shared_load(req_id, hit):
             return None, False  # another request's load brings these blocks: ask later
         # Without a secondary tier a CPU miss is final (most waiting requests, most steps).
-        if self.caps.secondary_tier and self.cascade.lookup(
-                request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
-                (num_computed_tokens + max_hit_tokens) // self.block_size):
-            return None, False  # a promotion into the CPU tier is in flight: ask again later
+        # After a failed load, the slower tiers' copy is not tried again for the request.
+        if self.caps.secondary_tier and not (req_id in self.loads.failed_requests
+                                             or req_id in self.staged.failed_requests):
+            staged = self.staged.offer(request, hit, hit_tokens, num_computed_tokens,
+                                       max_hit_tokens)
+            if staged is None:
+                return None, False  # a staged hit brings these blocks: ask again later
+            if staged:
+                return staged, True  # longer than the CPU tier's room: loaded in rounds
+            if self.cascade.lookup(
+                    request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
+                    (num_computed_tokens + max_hit_tokens) // self.block_size):
+                return None, False  # a promotion into the CPU tier is in flight: ask later
         if hit_tokens <= 0:
             return 0, False
         self.loads.hold_hit(req_id, hit, num_computed_tokens)
@@ -145,7 +167,8 @@ class OffloadScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.policy.on_allocated(request, len(blocks.get_block_ids()))
-        self.loads.plan(request.request_id, blocks, num_external_tokens)
+        if not self.staged.plan(request.request_id, blocks, num_external_tokens):
+            self.loads.plan(request.request_id, blocks, num_external_tokens)
 
     # --------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
@@ -154,8 +177,11 @@ class OffloadScheduler:
         picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)
         self.stores.queue(picker)
-        return OffloadMetadata(load=self.loads.take_job(), store=self.stores.take_job(),
-                               tier=self.cascade.take_jobs(),
+        self.prefetch.step()
+        self.staged.advance()
+        load = self.loads.take_job()
+        return OffloadMetadata(load=load, store=self.stores.take_job(),
+                               tier=self.cascade.take_jobs(), rounds=self.staged.take_rounds(),
                                need_flush=bool(scheduler_output.preempted_req_ids))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -163,12 +189,15 @@ class OffloadScheduler:
         meta = meta if isinstance(meta, OffloadWorkerMetadata) else None
         self.loads.on_transfer_results(output, meta.failed_loads if meta else set())
         if meta is not None:
+            for job, report in meta.rounds.items():
+                self.staged.on_round_report(job, report)
             for job, report in meta.stores.items():
                 self.stores.on_report(job, report)
             for job, report in meta.loads.items():
                 self.loads.on_report(job, report)
             self.cascade.on_reports(meta.tier)
             self.cascade.on_found(meta.tier_found, meta.tier_scans_done)
+        self.staged.on_transfer_results(output)
 
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: Request,
@@ -176,13 +205,15 @@ class OffloadScheduler:
         """Returns True while a load for the request is in flight (blocks freed later)."""
         req_id = request.request_id
         self.loads.release_hit(req_id)
+        self.prefetch.forget(req_id)
         self.cascade.request_finished(req_id)
         picker = self.stores.picker()
         self.policy.on_finished(request, block_ids, picker)
         self.stores.queue(picker)
         # Device blocks of stores are pinned by the store job, so they never
         # delay the request; a load in flight does.
-        return self.loads.request_finished(req_id), None
+        staged = self.staged.request_finished(req_id)
+        return self.loads.request_finished(req_id) or staged, None
 
     # --------------------------------------------------------------- misc
     def reset_cache(self) -> bool:
@@ -205,11 +236,12 @@ class OffloadScheduler:
         # tier has room for them (with none and no copy in flight, nothing changes).
         leftovers = self.policy.has_pending() and self.cpu.num_free_blocks() > 0
         return bool(self.loads.has_pending() or self.stores.has_pending()
-                    or self.cascade.has_pending() or leftovers)
+                    or self.cascade.has_pending() or self.staged.has_pending() or leftovers)
 
     def _copies_in_flight(self) -> bool:
         """Loads or stores hold CPU blocks until they end (a promotion waits for them)."""
-        return self.loads.has_pending() or self.stores.has_pending()
+        return (self.loads.has_pending() or self.stores.has_pending()
+                or self.staged.has_pending())
 
     def num_jobs_in_flight(self) -> int:
         """Load and store jobs sent to the workers and not yet reported by every rank."""

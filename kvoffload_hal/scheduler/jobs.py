@@ -9,6 +9,7 @@ a key that failed on any rank failed. Loads (:mod:`.load_jobs`), stores
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -50,16 +51,16 @@ class JobBook(Generic[T]):
     (a job of another book, or one already over) are ignored.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, ids: Iterator[int] | None = None) -> None:
+        """``ids``: another book's :attr:`ids`, for jobs that must share one increasing
+        id sequence (the workers' copy queues take a job's id as its place in line)."""
         self.world_size = world_size
-        self._next_id = 0
+        self.ids = itertools.count() if ids is None else ids
         self._sent: dict[int, tuple[T, RankTally]] = {}
 
     def new_id(self) -> int:
         """An id for a job whose result does not come back as a report."""
-        job_id = self._next_id
-        self._next_id += 1
-        return job_id
+        return next(self.ids)
 
     def send(self, payload: T) -> int:
         """Hold ``payload`` under a new id until every rank reported it."""

@@ -96,9 +96,17 @@ class LoadJobs:
         self._busy: Counter[int] = Counter()
         self._landed: list[list[int]] = []
         self._waiting: set[str] = set()  # requests that waited for another's load
+        # Requests whose load failed: vLLM looks them up again, and a hit from a slower
+        # tier would be copied, and fail, again (a device that fails every load).
+        self.failed_requests: set[str] = set()
 
     def bind(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
+
+    @property
+    def job_ids(self):
+        """The id sequence of load jobs, for other jobs that load (staged hits' rounds)."""
+        return self._jobs.ids
 
     def in_flight(self, req_id: str) -> bool:
         """A load for the request is planned or sent and not over."""
@@ -195,7 +203,7 @@ class LoadJobs:
             ok = (req_id not in failed and req_id not in self._failed
                   and not invalid.intersection(load.gpu_ids))
             self._failed.discard(req_id)
-            self._finish(load, ok)
+            self._finish(req_id, load, ok)
 
     def _send_again(self, req_ids: set[str]) -> None:
         """Failed attempts the workers withheld: the same copies go in a new job."""
@@ -219,9 +227,11 @@ class LoadJobs:
             return
         for req_id in done.payload:
             # A failure was reported to vLLM as load errors by the workers.
-            self._finish(self._loads.pop(req_id), not done.tally.failed)
+            self._finish(req_id, self._loads.pop(req_id), not done.tally.failed)
 
-    def _finish(self, load: _Load, ok: bool) -> None:
+    def _finish(self, req_id: str, load: _Load, ok: bool) -> None:
+        if not ok:
+            self.failed_requests.add(req_id)
         if ok:
             self.stats.record_load(len(load.gpu_ids), load.num_tokens)
             self.cpu.record_load(load.cpu_ids)
@@ -242,6 +252,7 @@ class LoadJobs:
         self.release_hit(req_id)
         self._failed.discard(req_id)
         self._waiting.discard(req_id)
+        self.failed_requests.discard(req_id)
         load = self._loads.get(req_id)
         if load is None:
             return False

@@ -61,6 +61,8 @@ class NullCascade:
     :class:`TierCascade` the real one.
     """
 
+    stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)
+
     def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
         """``copies_in_flight()``: whether the CPU tier's own loads or stores hold CPU
         blocks that they release when they end."""
@@ -107,6 +109,8 @@ class _TierJob:
     req_id: str | None = None
     failed: set[BlockKey] = field(default_factory=set)
     abandoned: bool = False
+    # A staged hit's round (tiers/staged.py): takes the blocks and how many read.
+    on_done: Callable[[list[KVCacheBlock], int], None] | None = None
 
 
 @dataclass
@@ -126,6 +130,8 @@ def _blocks(hit: Hit) -> list[KVCacheBlock]:
 
 
 class TierCascade(NullCascade):
+    stages = True  # not a shared tier: it answers existence asynchronously
+
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, rebuild: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -167,9 +173,9 @@ class TierCascade(NullCascade):
         """Start or await a promotion of blocks ``[first_block, end_block)``.
 
         Blocks promoted for this request were pinned until now; the CPU lookup
-        found the ones still wanted. The hit stays pinned while room is made,
-        so a promotion never evicts the blocks it extends: when the whole run
-        does not fit, what fits is promoted and the rest is recomputed.
+        found the ones still wanted. The hit stays pinned while room is made, so
+        a promotion never evicts the blocks it extends (a run longer than the room
+        is staged instead, tiers/staged.py, where that can be done).
         """
         self.cpu.pin_hit(hit)
         self._max_blocks = max_blocks
@@ -184,7 +190,22 @@ class TierCascade(NullCascade):
         job = self._promoting.get(req_id)
         return len(self._promoted.get(req_id, ())) + (len(job.blocks) if job else 0)
 
-    def _room(self) -> int:
+    def queue_promotion(self, keys: list[BlockKey], hashes: list[Any], req_id: str | None,
+                        on_done: Callable[[list[KVCacheBlock], int], None] | None = None,
+                        ) -> _TierJob:
+        """Promote ``keys`` (at most :meth:`room`) into fresh CPU blocks, for request
+        ``req_id``, or for a staged hit: then once every rank read them, the blocks that
+        read are published and ``on_done(blocks, n_ok)`` owns every block, still pinned."""
+        self.index.pin(keys)
+        job = _TierJob(True, keys, self.cpu.allocate(len(keys)), hashes, req_id, on_done=on_done)
+        self._queued.append(job)
+        self._keys_promoting.update(keys)
+        return job
+
+    def is_promoting(self, key: BlockKey) -> bool:
+        return key in self._keys_promoting
+
+    def room(self) -> int:
         """CPU blocks a promotion may take now."""
         free = self.cpu.num_free_blocks()
         return free if self._max_blocks is None else min(free, self._max_blocks)
@@ -202,18 +223,14 @@ class TierCascade(NullCascade):
         try:
             # A block another request's promotion brings counts as on its way.
             chosen = self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
-                                      self._room())
+                                      self.room())
             if not chosen:
                 return (self._waits_for_others(positions)
                         or self._waits_for_room(req_id, positions, [*held, *_blocks(hit)]))
             keys, hashes = (list(x) for x in zip(*chosen))
-            self.index.pin(keys)
-            job = _TierJob(True, keys, self.cpu.allocate(len(keys)), hashes, req_id)
+            self._promoting[req_id] = self.queue_promotion(keys, hashes, req_id)
         finally:
             self.cpu.unpin(held)
-        self._queued.append(job)
-        self._promoting[req_id] = job
-        self._keys_promoting.update(keys)
         return True
 
     def _in_cpu_soon(self, block_hash: Any) -> bool:
@@ -228,13 +245,10 @@ class TierCascade(NullCascade):
 
     def _waits_for_room(self, req_id: str, positions: list[Any],
                         own: list[KVCacheBlock]) -> bool:
-        """Whether the tier holds the blocks after the hit and only room in the CPU tier
-        is missing, held by copies in flight that release it when they end: the request
-        asks again then, its ``own`` blocks (hit and run) kept until that lookup so that
-        nothing evicts what it waits to extend. Answered as a miss, it would recompute
-        its whole prompt, by chance: whenever the last spills had not been collected yet
-        (an offline engine stops stepping when its last request finishes; a busy one
-        always has some in flight)."""
+        """Whether only CPU room is missing, held by copies in flight: the request asks
+        again when they end, its ``own`` blocks (hit and run) kept until then. As a miss
+        it would recompute its whole prompt whenever the last spills had not been
+        collected yet (an offline engine stops stepping after its last request)."""
         if not self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
                                 len(self.groups.groups)):
             return False  # nothing to promote, whatever the room
@@ -320,7 +334,9 @@ class TierCascade(NullCascade):
         if not job.abandoned:
             self.cpu.publish(job.blocks[:n_ok], job.hashes[:n_ok])
             self._record_moved(0, n_ok)
-        if job.req_id is not None:
+        if job.on_done is not None:
+            job.on_done(job.blocks, n_ok)
+        elif job.req_id is not None:
             self._promoting.pop(job.req_id, None)
             if job.failed:
                 self._no_promotion.add(job.req_id)
@@ -347,7 +363,10 @@ class TierCascade(NullCascade):
                     self._promoting.pop(job.req_id, None)
             else:
                 self.index.drop(job.keys)
-            self.cpu.unpin(job.blocks)
+            if job.on_done is not None:
+                job.on_done(job.blocks, 0)  # nothing read: the staged hit stops there
+            else:
+                self.cpu.unpin(job.blocks)
         self._queued.clear()
         self.index.reset()
 

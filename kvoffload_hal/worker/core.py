@@ -42,6 +42,7 @@ from kvoffload_hal.tiers.identity import kv_fingerprint
 from kvoffload_hal.tiers.registry import build_worker_half
 from kvoffload_hal.tiers.spec import WorkerTierContext
 from kvoffload_hal.tiers.worker_tier import NullTier, SecondaryTier
+from kvoffload_hal.worker.loads import LoadOutcomes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,6 +66,7 @@ class _Unlaunched:
     load: LoadSpec | None = None
     store: StoreSpec | None = None
     tier: TierJobs | None = None
+    rounds: tuple[LoadSpec, ...] = ()  # staged hits' rounds, launched after ``load``
 
 
 class OffloadWorker:
@@ -83,10 +85,7 @@ class OffloadWorker:
         self.tier: SecondaryTier = NullTier()
         self.host: HostChunks | None = None  # the CPU tier's host memory
         self._unlaunched = _Unlaunched()
-        self._finished_recving: set[str] = set()
-        self._failed_recving: set[str] = set()
-        self._recving_reported: set[str] = set()  # load_recovery "retry" only
-        self._load_error_blocks: set[int] = set()
+        self.loads = LoadOutcomes(self.caps)
         self._reports = OffloadWorkerMetadata()
         self.stats = StatsLedger()
         self._stats_carriers = 0  # steps left that report stats even when empty
@@ -123,7 +122,8 @@ class OffloadWorker:
 
     # ------------------------------------------------------------ per step
     def bind_connector_metadata(self, metadata: OffloadMetadata) -> None:
-        self._unlaunched = _Unlaunched(metadata.load, metadata.store, metadata.tier)
+        self._unlaunched = _Unlaunched(metadata.load, metadata.store, metadata.tier,
+                                       metadata.rounds)
 
     def clear_connector_metadata(self) -> None:
         self._unlaunched = _Unlaunched()
@@ -155,7 +155,7 @@ class OffloadWorker:
         """
         if self.backend is None:
             return set(), set(), set()
-        self._recving_reported.difference_update(finished_req_ids)
+        self.loads.forget(finished_req_ids)
         launched = self._launch_pending()
         if launched and self.backend.synchronous_compute:
             self._collect(self.backend.flush())  # nothing to overlap: report this step
@@ -166,21 +166,27 @@ class OffloadWorker:
         found, scan_done = self.tier.take_found()
         self._reports.tier_found += found
         self._reports.tier_scans_done += scan_done
-        finished, self._finished_recving = self._finished_recving, set()
-        failed, self._failed_recving = self._failed_recving, set()
+        finished, failed = self.loads.take()
         return set(), finished, failed
 
     def _launch_pending(self) -> bool:
         """Launch what the bound metadata holds and was not launched yet."""
         assert self.backend is not None
         pending = self._unlaunched
-        launched = pending.store is not None or pending.load is not None
+        launched = pending.store is not None or pending.load is not None or bool(pending.rounds)
         if pending.store is not None:
             store, pending.store = pending.store, None
             self.backend.submit(TransferJob(store.job_id, Direction.STORE,
                                             store.gpu_blocks, store.cpu_blocks))
         if pending.load is not None:
             self._launch_load()
+        rounds, pending.rounds = pending.rounds, ()
+        for spec in rounds:  # in job order, after the step's load
+            if spec.cpu_blocks:
+                self.backend.submit(TransferJob(spec.job_id, Direction.LOAD, spec.cpu_blocks,
+                                                spec.gpu_blocks, tag=spec))
+            else:
+                self.loads.on_result(spec, spec.job_id, True, self._reports)  # nothing to copy
         if pending.tier is not None:
             tier, pending.tier = pending.tier, None
             if tier.spill is not None:
@@ -200,8 +206,7 @@ class OffloadWorker:
                                         load.gpu_blocks, tag=load))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_error_blocks = self._load_error_blocks, set()
-        return errors
+        return self.loads.take_error_blocks()
 
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         if not self._reports:
@@ -270,39 +275,7 @@ class OffloadWorker:
             logger.error("%s load job %d failed (%s); %d blocks will be recomputed",
                          "synchronous" if load.sync else "asynchronous", r.job_id, r.error,
                          len(load.gpu_blocks))
-        if load.sync:
-            # The requests are running: report the job, and on failure the
-            # blocks, which vLLM recomputes (this step's output is dropped).
-            self._reports.loads[r.job_id] = JobReport(failed=not r.ok)
-            if not r.ok:
-                self._load_error_blocks.update(load.gpu_blocks)
-            return
-        if self.caps.load_recovery == "retry":
-            self._report_attempt(load, r.ok)
-            return
-        # Reported finished even on failure, so the requests leave the waiting
-        # state; vLLM then recomputes what did not arrive.
-        self._finished_recving.update(load.req_ids)
-        if r.ok:
-            return
-        if self.caps.report_failed_blocks:
-            self._load_error_blocks.update(load.gpu_blocks)
-        else:  # per request: in the transfer results, and to the scheduler side
-            self._failed_recving.update(load.req_ids)
-            self._reports.failed_loads.update(load.req_ids)
-
-
-    def _report_attempt(self, load: LoadSpec, ok: bool) -> None:
-        """Where vLLM cannot recompute a failed load: a failed attempt is withheld
-        from vLLM and told to the scheduler side, which sends the load again. A
-        request this rank reported finished is not reported again (vLLM counts
-        one report per rank), when another rank's failure brings its load back."""
-        if not ok:
-            self._reports.failed_loads.update(load.req_ids)
-            return
-        new = [q for q in load.req_ids if q not in self._recving_reported]
-        self._finished_recving.update(new)
-        self._recving_reported.update(new)
+        self.loads.on_result(load, r.job_id, r.ok, self._reports)
 
 
 def _unique_tensors(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> list[torch.Tensor]:

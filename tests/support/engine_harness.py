@@ -164,6 +164,7 @@ class Engine:
         init_none_hash(get_hash_fn_by_name("sha256"))
         self._hasher = get_request_block_hasher(block_size, get_hash_fn_by_name("sha256"))
         self.outputs: dict[str, list[int]] = {}
+        self.cached_tokens: dict[str, int] = {}  # prompt tokens not computed, per request
         self.finished: set[str] = set()
         self.steps = 0
         self.sent: list[OffloadMetadata] = []  # each step's metadata, as the workers got it
@@ -204,6 +205,7 @@ class Engine:
             end = req.num_computed_tokens  # already advanced by schedule()
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             self.model.run(req, block_ids, end - n, end, wrong_reads)
+            self.cached_tokens.setdefault(req_id, end - n)  # where its first pass starts
             req_ids.append(req_id)
             done_prefill = end >= req.num_tokens
             sampled.append([self.model.next_token(req)] if done_prefill else [])

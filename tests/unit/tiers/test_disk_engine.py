@@ -27,7 +27,7 @@ def _serve(engine, req_id, prompt, max_steps=400):
 
 
 def test_a_disk_hit_longer_than_the_cpu_tier_finishes(make_engine, tmp_path):
-    """A promotion never evicts the hit it serves: what fits is loaded, the rest recomputed."""
+    """A promotion never evicts the hit it serves (a longer one is staged: test_staged_hits)."""
     # Prefill 4 blocks per step: each step's blocks reach the CPU tier, then the disk.
     engine = _disk_engine(make_engine, tmp_path, cpu_blocks=16, num_gpu_blocks=24,
                           max_num_batched_tokens=4 * BS)
@@ -144,15 +144,16 @@ def test_a_disk_hit_waits_while_spills_hold_every_cpu_block(make_engine, tmp_pat
             engine.step()
         assert engine.offload.cpu.num_free_blocks() == 0  # all being written to disk
         hits = engine.offload.totals.data.get("cpu_hit_tokens", 0)
-        again = engine.add("a-again", doc)
+        engine.add("a-again", doc)
         for _ in range(3):
             engine.step()
-            assert again.num_computed_tokens == 0  # waits: nothing recomputed
+            assert "a-again" not in engine.cached_tokens  # waits: nothing recomputed
     finally:
         gate.set()
     engine.run_until_done()
     engine.drain()
     assert engine.outputs["a-again"] == engine.outputs["a"]
-    # What the CPU tier holds (3 blocks) came back from disk and was loaded.
-    assert engine.offload.totals.data["cpu_hit_tokens"] - hits == 3 * BS
+    # Its 6 blocks came back from disk, staged through the 3 CPU blocks.
+    assert engine.cached_tokens["a-again"] == 6 * BS
+    assert engine.offload.totals.data["cpu_hit_tokens"] - hits == 6 * BS
     engine.assert_idle()

@@ -1,0 +1,369 @@
+"""Tier hits longer than the CPU tier has room for, served in full by staging them through it.
+
+A promotion brings a tier's blocks into free CPU blocks, and the request then loads its
+CPU hit to the device (:mod:`.scheduler_cascade`); a run longer than the free CPU blocks
+would lose its tail that way. Such a hit is *staged* instead:
+
+1. The lookup answers the whole hit (the CPU hit and the tier's run after it) as an
+   asynchronous load: vLLM allocates device blocks for all of it, and the request waits.
+2. Round by round, the run's next blocks are promoted into the CPU blocks free at that
+   step, loaded into their device blocks, and released (they stay in the CPU tier as
+   ordinary, evictable content); then the next ones. The CPU hit, and blocks of the run
+   the CPU tier already holds, go in the first round.
+3. The last round is the request's load: the workers report the request in
+   ``finished_recving`` once it and every earlier round of it have landed.
+
+Nothing of the hit is evicted while it is served: its tier keys are pinned in the index
+from the lookup on, its CPU blocks until their round landed, its device blocks until the
+last round did. Staged requests never wait for one another (a round takes free CPU blocks
+and gives them back once loaded), and another request on the same blocks waits for the
+staged one and then takes the device prefix-cache hit. A block that fails to read or to
+copy ends the hit there: the rest is reported failed and vLLM recomputes it; so is the
+rest of a hit that found no free CPU block for :data:`MAX_STAGE_WAIT_S`.
+
+Staging serves models with one KV cache group on a local tier (the disk); other models
+and the Mooncake tier promote what fits, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.utils.math_utils import cdiv
+
+from kvoffload_hal.hal.plumbing import log_once
+from kvoffload_hal.logger import init_logger
+from kvoffload_hal.metadata import JobReport, LoadSpec
+from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
+from kvoffload_hal.scheduler.jobs import JobBook
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
+    from kvoffload_hal.tiers.scheduler_cascade import TierCascade
+
+# The longest a staged hit waits for a free CPU block before the rest is recomputed.
+MAX_STAGE_WAIT_S = 10.0
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Staged:
+    """One request's staged hit. Positions count blocks from its first computed token
+    on: the CPU hit first, then the run."""
+
+    req_id: str
+    cpu: list[tuple[int, KVCacheBlock]]  # positions the CPU tier holds, pinned
+    tier: list[tuple[int, str, Any]]  # positions the tier brings: (position, key, hash)
+    num_tokens: int  # offered
+    num_computed_tokens: int
+    since: float  # the last progress
+    gpu_ids: list[int] = field(default_factory=list)  # per position, once allocated
+    ready: list[tuple[KVCacheBlock, int]] = field(default_factory=list)  # (CPU, device)
+    loaded: list[int] = field(default_factory=list)  # device blocks of rounds sent
+    final_blocks: list[KVCacheBlock] = field(default_factory=list)  # with the last round
+    final_gpu_ids: list[int] = field(default_factory=list)
+    next: int = 0  # the next entry of ``tier`` to promote
+    promoting: bool = False
+    rounds: int = 0  # rounds sent and not reported
+    failed_at: int | None = None  # the first position not served
+    final_sent: bool = False
+    aborted: bool = False
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for _, key, _ in self.tier]
+
+    def stops(self) -> bool:
+        """No more promotions: all sent, a failure, or the request is gone."""
+        return self.failed_at is not None or self.aborted or self.next >= len(self.tier)
+
+    def fail_from(self, position: int) -> None:
+        self.failed_at = position if self.failed_at is None else min(self.failed_at, position)
+
+
+def _plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[KVCacheBlock],
+              entries: Iterator[tuple[str, Any]], now: float) -> _Staged | None:
+    """The run of the tier's blocks after the hit, when it is longer than the room a
+    promotion has (else a promotion serves it whole, or there is nothing to get)."""
+    if cascade.held_for(req_id):
+        return None
+    held: list[tuple[int, KVCacheBlock]] = list(enumerate(hit_blocks))
+    tier: list[tuple[int, str, Any]] = []
+    for pos, (key, block_hash) in enumerate(entries, start=len(hit_blocks)):
+        if cascade.is_promoting(key):
+            break  # another request's promotion brings it: the cascade waits for it
+        cached = cpu.cached([block_hash])
+        if cached:
+            held.append((pos, cached[0]))
+        elif cascade.index.is_ready(key):
+            tier.append((pos, key, block_hash))
+        else:
+            break
+    if len(tier) <= cascade.room():
+        return None
+    last = tier[-1][0]
+    return _Staged(req_id, [x for x in held if x[0] < last], tier, 0, 0, now)
+
+
+@dataclass
+class _Round:
+    """A round decided this step, sent with the step's metadata; ``failed`` is set
+    (maybe empty) on the request's last round."""
+
+    req_id: str
+    cpu_blocks: list[KVCacheBlock]
+    gpu_ids: list[int]
+    failed: tuple[int, ...] | None = None
+
+
+class StagedHits:
+    """The staged hits of one scheduler: offered at lookup, advanced every step."""
+
+    def __init__(self, cascade: TierCascade, cpu: CpuTier, stats: StatsLedger,
+                 world_size: int, block_size: int, job_ids: Iterator[int], enabled: bool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``job_ids``: the load jobs' id sequence (rounds are loads, in one line)."""
+        self.cascade = cascade
+        self.cpu = cpu
+        self.stats = stats
+        self.block_size = block_size
+        self.enabled = enabled and cascade.stages and len(cascade.groups.groups) == 1
+        self._clock = clock
+        self._rounds: JobBook[tuple[str, list[KVCacheBlock]]] = JobBook(world_size, job_ids)
+        self._pending: dict[str, _Staged] = {}  # offered, not allocated yet
+        self._active: dict[str, _Staged] = {}
+        self._queued: list[_Round] = []
+        self._owners: dict[str, str] = {}  # tier key -> the request staging it
+        self._busy: Counter[int] = Counter()  # CPU blocks a staged hit holds
+        self._landed: list[_Staged] = []  # over: busy until the next step
+        self.failed_requests: set[str] = set()  # as LoadJobs.failed_requests
+        self.gpu_pool: BlockPool | None = None
+
+    def bind(self, gpu_pool: BlockPool) -> None:
+        self.gpu_pool = gpu_pool
+
+    # ------------------------------------------------------------- lookup
+    def offer(self, request: Request, hit: Hit, hit_tokens: int, num_computed_tokens: int,
+              max_hit_tokens: int) -> int | None:
+        """Tokens of a staged hit for the request (CPU hit included), 0 when it is not
+        staged, None when a staged hit brings its blocks (it asks again later)."""
+        if not self.enabled:
+            return 0
+        bs = self.block_size
+        first = (num_computed_tokens + hit_tokens) // bs
+        positions = request.block_hashes[first:(num_computed_tokens + max_hit_tokens) // bs]
+        hit_blocks = hit[0] if hit else []
+        if (self._owners and any(k in self._owners for k in self.cascade.groups.keys(positions))
+                ) or (self._busy and any(b.block_id in self._busy for b in hit_blocks)):
+            self.stats.record_shared_load_wait()
+            return None
+        entries = (self.cascade.groups.at(bh)[0] for bh in positions)
+        staged = _plan_run(self.cascade, self.cpu, request.request_id, hit_blocks, entries,
+                           self._clock())
+        if staged is None:
+            return 0
+        staged.num_tokens = (staged.tier[-1][0] + 1) * bs
+        staged.num_computed_tokens = num_computed_tokens
+        self.cpu.pin([b for _, b in staged.cpu])
+        self._busy.update(b.block_id for _, b in staged.cpu)
+        self.cascade.index.pin(staged.keys)
+        self._owners.update((key, staged.req_id) for key in staged.keys)
+        self._pending[staged.req_id] = staged
+        return staged.num_tokens
+
+    def release_pending(self, req_id: str) -> None:
+        """A hit offered and never allocated (vLLM looks the request up again)."""
+        staged = self._pending.pop(req_id, None)
+        if staged is not None:
+            self._drop_positions(staged, 0)
+
+    def _drop_positions(self, staged: _Staged, n: int) -> None:
+        """Stop holding the positions from ``n`` on (before any round was sent)."""
+        cpu_blocks = [b for pos, b in staged.cpu if pos >= n]
+        self.cpu.unpin(cpu_blocks)
+        self._busy.subtract(b.block_id for b in cpu_blocks)
+        self._busy = +self._busy
+        keys = [key for pos, key, _ in staged.tier if pos >= n]
+        self.cascade.index.unpin(keys)
+        for key in keys:
+            self._owners.pop(key, None)
+        staged.cpu = [x for x in staged.cpu if x[0] < n]
+        staged.tier = [x for x in staged.tier if x[0] < n]
+
+    # --------------------------------------------------------- allocation
+    def plan(self, req_id: str, blocks: KVCacheBlocks, num_external_tokens: int) -> bool:
+        """vLLM allocated the request's device blocks: False when it has no staged hit."""
+        staged = self._pending.pop(req_id, None)
+        if staged is None:
+            return False
+        # The scheduler may accept fewer tokens than offered: the rest is not staged.
+        n = cdiv(num_external_tokens, self.block_size)
+        self._drop_positions(staged, n)
+        if n == 0:
+            return True
+        first = staged.num_computed_tokens // self.block_size
+        staged.gpu_ids = list(blocks.get_block_ids()[0][first:first + n])
+        pin_ids(self._gpu_pool(), staged.gpu_ids)  # ours until the last round landed
+        staged.ready = [(b, staged.gpu_ids[pos]) for pos, b in staged.cpu]
+        staged.num_tokens = min(staged.num_tokens, num_external_tokens)
+        staged.since = self._clock()
+        self._active[req_id] = staged
+        return True
+
+    # ------------------------------------------------------------ per step
+    def advance(self) -> None:
+        """Send what each staged hit can do this step: a round of its blocks in the
+        CPU tier, the next promotion, or the last round."""
+        for staged in self._landed:
+            for key in staged.keys:
+                self._owners.pop(key, None)
+        self._landed.clear()
+        for staged in list(self._active.values()):
+            if staged.final_sent:
+                continue
+            if staged.ready and not (staged.stops() and not staged.promoting):
+                self._send_round(staged)
+            if not staged.stops() and not staged.promoting:
+                self._promote_next(staged)
+            if staged.stops() and not staged.promoting and not staged.rounds:
+                self._send_final(staged)
+
+    def _promote_next(self, staged: _Staged) -> None:
+        n = min(self.cascade.room(), len(staged.tier) - staged.next)
+        now = self._clock()
+        if n <= 0:
+            if now - staged.since > MAX_STAGE_WAIT_S:
+                log_once(logger, logging.WARNING, "disk tier: a staged hit found no free CPU "
+                         "block for %.0f s; the rest of its prompt is recomputed",
+                         MAX_STAGE_WAIT_S)
+                staged.fail_from(staged.tier[staged.next][0])
+            return
+        part = staged.tier[staged.next:staged.next + n]
+        staged.next += n
+        staged.promoting = True
+        staged.since = now
+        self.cascade.queue_promotion([k for _, k, _ in part], [h for _, _, h in part], None,
+                                     lambda blocks, n_ok: self._promoted(staged, part, blocks,
+                                                                         n_ok))
+
+    def _promoted(self, staged: _Staged, part: list[tuple[int, str, Any]],
+                  blocks: list[KVCacheBlock], n_ok: int) -> None:
+        """Every rank read a promotion: the blocks that read join the next round."""
+        staged.promoting = False
+        staged.since = self._clock()
+        self.cpu.unpin(blocks[n_ok:])
+        if n_ok < len(part):
+            staged.fail_from(part[n_ok][0])
+        ok = list(zip(blocks[:n_ok], (staged.gpu_ids[pos] for pos, _, _ in part)))
+        self._busy.update(b.block_id for b, _ in ok)
+        staged.ready += ok
+
+    def _send_round(self, staged: _Staged) -> None:
+        cpu_blocks, gpu_ids = [b for b, _ in staged.ready], [g for _, g in staged.ready]
+        staged.ready = []
+        staged.rounds += 1
+        staged.loaded += gpu_ids
+        self._queued.append(_Round(staged.req_id, cpu_blocks, gpu_ids))
+
+    def _send_final(self, staged: _Staged) -> None:
+        """The request's load: what is ready, and the device blocks nothing fills."""
+        staged.final_blocks = [b for b, _ in staged.ready]
+        staged.final_gpu_ids = gpu_ids = [g for _, g in staged.ready]
+        staged.ready = []
+        staged.final_sent = True
+        served = {*gpu_ids, *staged.loaded}
+        failed = tuple(g for g in staged.gpu_ids if g not in served)
+        self._queued.append(_Round(staged.req_id, staged.final_blocks, gpu_ids, failed))
+
+    def take_rounds(self) -> tuple[LoadSpec, ...]:
+        """This step's rounds, numbered after the step's other load job (the workers
+        launch them after it, and their copy queues go by job id)."""
+        specs = []
+        for r in self._queued:
+            cpu_ids = [b.block_id for b in r.cpu_blocks]
+            if r.failed is None:
+                job_id = self._rounds.send((r.req_id, r.cpu_blocks))
+                specs.append(LoadSpec(job_id, (r.req_id,), cpu_ids, r.gpu_ids, staged=True,
+                                      final=False))
+            else:
+                specs.append(LoadSpec(self._rounds.new_id(), (r.req_id,), cpu_ids, r.gpu_ids,
+                                      staged=True, final=True, failed_gpu_blocks=r.failed))
+        self._queued.clear()
+        return tuple(specs)
+
+    # ------------------------------------------------------------ reports
+    def on_round_report(self, job_id: int, report: JobReport) -> None:
+        done = self._rounds.report(job_id, report)
+        if done is None:
+            return
+        req_id, cpu_blocks = done.payload
+        staged = self._active[req_id]
+        staged.rounds -= 1
+        self._release(cpu_blocks, not done.tally.failed)
+        if done.tally.failed:
+            staged.fail_from(0)  # the workers report its blocks with the last round
+
+    def _release(self, cpu_blocks: list[KVCacheBlock], ok: bool) -> None:
+        ids = [b.block_id for b in cpu_blocks]
+        if ok:
+            self.cpu.record_load(ids)
+        else:
+            self.cpu.drop(ids)  # a retry would fail the same way
+        self.cpu.unpin(cpu_blocks)
+        self._busy.subtract(ids)
+        self._busy = +self._busy
+
+    def on_transfer_results(self, output: KVConnectorOutput) -> None:
+        """Last rounds that landed on every rank: the hit is over."""
+        failed = getattr(output, "failed_recving", None) or set()
+        invalid = output.invalid_block_ids or set()
+        for req_id in output.finished_recving or ():
+            staged = self._active.get(req_id)
+            if staged is None or not staged.final_sent:
+                continue
+            del self._active[req_id]
+            ok = req_id not in failed and not invalid.intersection(staged.gpu_ids)
+            if ok and staged.failed_at is None and not staged.aborted:
+                self.stats.record_load(len(staged.gpu_ids), staged.num_tokens)
+                self.stats.record_staged_hit()
+            elif not ok:
+                self.failed_requests.add(req_id)
+            # A failure names blocks (then only those of this round were not copied) or
+            # the request: then this round's blocks may be torn, and are dropped.
+            torn = not ok and (req_id in failed
+                               or bool(invalid.intersection(staged.final_gpu_ids)))
+            self._release(staged.final_blocks, not torn)
+            unpin_ids(self._gpu_pool(), staged.gpu_ids)
+            self.cascade.index.unpin(staged.keys)
+            self._landed.append(staged)  # its keys stay owned until the next step
+
+    # ----------------------------------------------------------- finishing
+    def request_finished(self, req_id: str) -> bool:
+        """True while vLLM must keep the request's blocks (its last round is to come)."""
+        self.release_pending(req_id)
+        self.failed_requests.discard(req_id)
+        staged = self._active.get(req_id)
+        if staged is None:
+            return False
+        staged.aborted = True
+        return True
+
+    def has_pending(self) -> bool:
+        return bool(self._pending or self._active or self._landed or self._queued)
+
+    def _gpu_pool(self) -> BlockPool:
+        assert self.gpu_pool is not None, "bind() was not called"
+        return self.gpu_pool

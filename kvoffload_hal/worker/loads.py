@@ -1,0 +1,98 @@
+"""Worker side: what a finished load job tells vLLM and the scheduler side.
+
+* A **synchronous** load feeds the forward pass of its step: its job is reported in
+  the worker metadata, and on failure its device blocks, which vLLM recomputes.
+* An **asynchronous** load is reported in ``finished_recving`` even when it failed,
+  so its requests leave the waiting state; a failure names the device blocks
+  (``get_block_ids_with_load_errors``) or, where this vLLM takes no blocks for the
+  model, the requests (``failed_recving``, and the worker metadata).
+* Where vLLM cannot recompute a failed asynchronous load at all (load recovery
+  ``retry``), a failed attempt is withheld from vLLM and told to the scheduler side,
+  which sends the load again.
+* A **staged hit's round** (:mod:`kvoffload_hal.tiers.staged`): an earlier round is
+  reported in the worker metadata and a failure kept for the last round, which
+  finishes the request, failed if any of its rounds failed or left blocks unfilled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvoffload_hal.metadata import JobReport, LoadSpec, OffloadWorkerMetadata
+
+if TYPE_CHECKING:
+    from kvoffload_hal.capabilities import Capabilities
+
+
+class LoadOutcomes:
+    """One worker's load results, until vLLM and the scheduler side collect them."""
+
+    def __init__(self, caps: Capabilities) -> None:
+        self.caps = caps
+        self.finished: set[str] = set()
+        self.failed: set[str] = set()
+        self.error_blocks: set[int] = set()
+        self._reported: set[str] = set()  # load recovery "retry" only
+        self._failed_rounds: dict[str, list[int]] = {}  # staged hits: until the last round
+
+    def on_result(self, load: LoadSpec, job_id: int, ok: bool,
+                  reports: OffloadWorkerMetadata) -> None:
+        """``reports``: this step's worker metadata, to the scheduler side."""
+        if load.staged:
+            self._on_round(load, ok, reports)
+        elif load.sync:
+            # The requests are running: this step's output is dropped on failure.
+            reports.loads[job_id] = JobReport(failed=not ok)
+            if not ok:
+                self.error_blocks.update(load.gpu_blocks)
+        elif self.caps.load_recovery == "retry":
+            self._on_attempt(load, ok, reports)
+        else:
+            self.finished.update(load.req_ids)
+            if not ok:
+                self._fail(load.req_ids, load.gpu_blocks, reports)
+
+    def take(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) requests since the last call."""
+        finished, failed = self.finished, self.failed
+        self.finished, self.failed = set(), set()
+        return finished, failed
+
+    def take_error_blocks(self) -> set[int]:
+        errors, self.error_blocks = self.error_blocks, set()
+        return errors
+
+    def forget(self, finished_req_ids: set[str]) -> None:
+        self._reported.difference_update(finished_req_ids)
+
+    def _fail(self, req_ids: tuple[str, ...], gpu_blocks: list[int],
+              reports: OffloadWorkerMetadata) -> None:
+        if self.caps.report_failed_blocks:
+            self.error_blocks.update(gpu_blocks)
+        else:  # per request: in the transfer results, and to the scheduler side
+            self.failed.update(req_ids)
+            reports.failed_loads.update(req_ids)
+
+    def _on_round(self, spec: LoadSpec, ok: bool, reports: OffloadWorkerMetadata) -> None:
+        req_id = spec.req_ids[0]
+        if not spec.final:
+            reports.rounds[spec.job_id] = JobReport(failed=not ok)
+            if not ok:
+                self._failed_rounds.setdefault(req_id, []).extend(spec.gpu_blocks)
+            return
+        failed = [*spec.failed_gpu_blocks, *self._failed_rounds.pop(req_id, ())]
+        if not ok:
+            failed += spec.gpu_blocks
+        self.finished.add(req_id)
+        if failed:
+            self._fail(spec.req_ids, failed, reports)
+
+    def _on_attempt(self, load: LoadSpec, ok: bool, reports: OffloadWorkerMetadata) -> None:
+        """A request this rank reported finished is not reported again (vLLM counts
+        one report per rank) when another rank's failure brings its load back."""
+        if not ok:
+            reports.failed_loads.update(load.req_ids)
+            return
+        new = [q for q in load.req_ids if q not in self._reported]
+        self.finished.update(new)
+        self._reported.update(new)

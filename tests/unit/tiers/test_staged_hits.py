@@ -1,0 +1,168 @@
+"""Disk hits longer than the CPU tier, staged through it in rounds (tiers/staged.py).
+
+vLLM's real scheduler and both connector roles (``engine_harness.py``): the fake model
+checks every KV read, so a block loaded into the wrong place, or read before it
+landed, fails the test unless it was reported as a failed load.
+"""
+
+import os
+
+BS = 16
+PAGE = BS * 128  # one harness block: 16 tokens x 128 bytes of K and V
+DOC_BLOCKS = 20
+CPU_BLOCKS = 6  # far fewer than a document's blocks
+
+
+def _engine(make_engine, tmp_path, num_gpu_blocks=24, **kwargs):
+    # Prefill 4 blocks per step: each step's blocks reach the CPU tier, then the disk.
+    return make_engine(cpu_blocks=CPU_BLOCKS, num_gpu_blocks=num_gpu_blocks,
+                       max_num_batched_tokens=4 * BS, extra_config={
+                           "disk_path": str(tmp_path / "kv"),
+                           "disk_bytes_to_use": 256 * PAGE}, **kwargs)
+
+
+def _doc(seed):
+    return [(seed * 7 + i) % 89 + 1 for i in range(DOC_BLOCKS * BS + 1)]
+
+
+def _serve(engine, *requests):
+    reqs = [engine.add(req_id, prompt) for req_id, prompt in requests]
+    engine.run_until_done()
+    engine.drain()
+    return reqs
+
+
+def _on_disk_only(engine, *docs):
+    """Serve each document, then two others: each leaves the device and the CPU tier."""
+    for i, doc in enumerate(docs):
+        _serve(engine, (f"first-{i}", doc))
+    for i in range(2):
+        _serve(engine, (f"other-{i}", _doc(50 + i)))
+
+
+def _rounds(engine):
+    return [r for meta in engine.sent if meta is not None for r in meta.rounds]
+
+
+def _delta(engine, before, key):
+    return engine.offload.totals.data.get(key, 0) - before.get(key, 0)
+
+
+def test_a_hit_longer_than_the_cpu_tier_comes_back_whole(make_engine, tmp_path):
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first-0"]
+    assert engine.cached_tokens["again"] == DOC_BLOCKS * BS  # every full block came back
+    assert _delta(engine, before, "staged_hits") == 1
+    assert _delta(engine, before, "blocks_from_disk") >= DOC_BLOCKS - CPU_BLOCKS
+    rounds = _rounds(engine)
+    assert len(rounds) >= DOC_BLOCKS // CPU_BLOCKS and sum(r.final for r in rounds) == 1
+    assert all(len(r.cpu_blocks) <= CPU_BLOCKS for r in rounds)
+    engine.assert_idle()  # every CPU, device and tier pin released
+
+
+def test_two_staged_hits_at_once_both_finish(make_engine, tmp_path):
+    """Each round takes free CPU blocks and gives them back: no deadlock."""
+    engine = _engine(make_engine, tmp_path, num_gpu_blocks=2 * DOC_BLOCKS + 8)
+    docs = [_doc(1), _doc(2)]
+    _on_disk_only(engine, *docs)
+    for _ in range(2):  # the device holds both documents: push them out
+        _serve(engine, *((f"push-{i}", _doc(60 + i)) for i in range(2)))
+        engine.scheduler.reset_prefix_cache()
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again-0", docs[0]), ("again-1", docs[1]))
+    for i in range(2):
+        assert engine.outputs[f"again-{i}"] == engine.outputs[f"first-{i}"]
+        assert engine.cached_tokens[f"again-{i}"] == DOC_BLOCKS * BS
+    assert _delta(engine, before, "staged_hits") >= 1
+    engine.assert_idle()
+
+
+def test_a_second_request_on_a_staged_hit_waits_and_copies_nothing(make_engine, tmp_path):
+    engine = _engine(make_engine, tmp_path, num_gpu_blocks=2 * DOC_BLOCKS + 8)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    engine.scheduler.reset_prefix_cache()
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again-0", doc), ("again-1", doc))
+    assert engine.outputs["again-0"] == engine.outputs["again-1"] == engine.outputs["first-0"]
+    assert [engine.cached_tokens[f"again-{i}"] for i in range(2)] == [DOC_BLOCKS * BS] * 2
+    assert _delta(engine, before, "staged_hits") == 1
+    # One copy of each block: the second request took the device prefix-cache hit.
+    assert _delta(engine, before, "blocks_loaded") == DOC_BLOCKS
+    assert _delta(engine, before, "blocks_from_disk") <= DOC_BLOCKS
+    engine.assert_idle()
+
+
+def test_aborting_a_staged_request_mid_way_strands_nothing(make_engine, tmp_path):
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    engine.add("doomed", doc)
+    for _ in range(100):
+        engine.step()
+        if any(not r.final for r in _rounds(engine)):
+            break
+    assert any(not r.final for r in _rounds(engine)), "no round was sent"
+    engine.abort(["doomed"])
+    engine.run_until_done()
+    engine.drain()
+    engine.assert_idle()
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first-0"]
+    engine.assert_idle()
+
+
+def test_a_corrupted_block_ends_the_hit_there(make_engine, tmp_path):
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    root = engine.worker.worker.tier.root
+    for dirpath, _, files in os.walk(root):
+        for name in (n for n in files if n.endswith(".kvb")):  # flip a byte of every block
+            with open(os.path.join(dirpath, name), "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0x01]))
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again", doc))
+    # Recomputed from the first corrupted block on: the model saw only correct KV.
+    assert engine.outputs["again"] == engine.outputs["first-0"]
+    assert _delta(engine, before, "blocks_from_disk") == 0
+    assert _delta(engine, before, "staged_hits") == 0
+    engine.assert_idle()
+
+
+def test_failed_round_copies_are_recomputed(make_engine, tmp_path):
+    engine = _engine(make_engine, tmp_path, backend="failing-loads")
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first-0"]
+    assert any(not r.final for r in _rounds(engine))
+    assert _delta(engine, before, "staged_hits") == 0
+    assert engine.worker.worker.totals.data.get("failed_jobs", 0) > 0
+    engine.assert_idle()
+
+
+def test_a_failed_load_of_a_promoted_hit_is_not_promoted_again(make_engine, tmp_path):
+    """vLLM looks a request whose load failed up again; promoting its disk blocks again
+    would fail again, for ever, on a device that fails every load."""
+    engine = make_engine(backend="failing-loads-async", cpu_blocks=12, num_gpu_blocks=24,
+                         max_num_batched_tokens=4 * BS, extra_config={
+                             "disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 256 * PAGE})
+    doc = _doc(1)[:8 * BS + 1]  # fits the CPU tier: promoted whole, then loaded
+    _serve(engine, ("first", doc))
+    for i in range(2):
+        _serve(engine, (f"other-{i}", _doc(50 + i)[:8 * BS + 1]))
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first"]
+    assert _delta(engine, before, "blocks_from_disk") > 0
+    assert engine.worker.worker.totals.data.get("failed_jobs", 0) > 0
+    engine.assert_idle()
