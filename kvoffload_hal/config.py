@@ -1,35 +1,46 @@
 """Connector configuration, read from ``kv_transfer_config.kv_connector_extra_config``.
 
-=====================  ==========  =================================================
-key                    default     meaning
-=====================  ==========  =================================================
-``cpu_bytes_to_use``   4 GiB       host memory of the CPU tier for the whole
-                                   instance, split evenly across TP x PP ranks
-                                   (int bytes > 0)
-``lazy_offload``       ``false``   ``false``: store every full block once computed
-                                   (eager); ``true``: store only the device blocks
-                                   next in line for eviction (lazy)
-``allow_overcommit``   ``false``   accept a rank's share of ``cpu_bytes_to_use``
-                                   larger than the memory available when it
-                                   starts, or a secondary tier larger than the
-                                   room it finds (``disk_bytes_to_use`` beyond the
-                                   free space of ``disk_path``); refused
-                                   otherwise, before anything is allocated
-``load_mode``          ``auto``    ``sync``: a CPU hit is loaded before the forward
-                                   pass of the step that schedules the request;
-                                   ``async``: the request waits for its load over
-                                   one or more steps; ``auto``: ``sync`` where the
-                                   copy backend's compute is synchronous (vLLM's
-                                   CPU platform) with one KV cache group, else
-                                   ``async``
-``eviction``           adaptive    order in which the CPU tier evicts: ``lru``
-                                   (vLLM's ``BlockPool`` order) or ``adaptive``
-                                   (each released block to the head or the tail
-                                   of that order by what happened to it since it
-                                   was stored, as the best of four candidate
-                                   insertions on sampled shadows says; see
-                                   ``eviction.py``)
-=====================  ==========  =================================================
+======================  ==========  =================================================
+key                     default     meaning
+======================  ==========  =================================================
+``cpu_bytes_to_use``    4 GiB       host memory of the CPU tier for the whole
+                                    instance, split evenly across TP x PP ranks
+                                    (int bytes > 0)
+``lazy_offload``        ``false``   ``false``: store every full block once computed
+                                    (eager); ``true``: store only the device blocks
+                                    next in line for eviction (lazy)
+``allow_overcommit``    ``false``   accept a rank's share of ``cpu_bytes_to_use``
+                                    larger than the memory available when it
+                                    starts, or a secondary tier larger than the
+                                    room it finds (``disk_bytes_to_use`` beyond the
+                                    free space of ``disk_path``); refused
+                                    otherwise, before anything is allocated
+``load_mode``           ``auto``    ``sync``: a CPU hit is loaded before the forward
+                                    pass of the step that schedules the request;
+                                    ``async``: the request waits for its load over
+                                    one or more steps; ``auto``: ``sync`` where the
+                                    copy backend's compute is synchronous (vLLM's
+                                    CPU platform) with one KV cache group, else
+                                    ``async``
+``eviction``            adaptive    order in which the CPU tier evicts: ``lru``
+                                    (vLLM's ``BlockPool`` order) or ``adaptive``
+                                    (each released block to the head or the tail
+                                    of that order by what happened to it since it
+                                    was stored, as the best of four candidate
+                                    insertions on sampled shadows says; see
+                                    ``eviction.py``)
+``prefetch_requests``   4           with a secondary tier: how many of the oldest
+                                    waiting requests not yet looked up by vLLM's
+                                    scheduler have their tier blocks promoted into
+                                    the CPU tier ahead of admission (int >= 0; 0:
+                                    off)
+``prefetch_cpu_share``  0.25        the most of the CPU tier (share of its blocks,
+                                    in (0, 1]) that prefetched requests hold
+                                    pinned: blocks being promoted, promoted, and
+                                    the CPU hits they extend
+``prefetch_blocks``     0           the same cap in blocks (int >= 0; 0: only the
+                                    share applies); the smaller cap wins
+======================  ==========  =================================================
 
 Each secondary tier owns its keys and documents them: the disk tier
 (``disk_path``, ``disk_bytes_to_use``, ``disk_o_direct``) in
@@ -48,7 +59,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload_hal.config_values import boolean, one_of, positive_int
+from kvoffload_hal.config_values import boolean, count, one_of, positive_int, share
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.scheduler.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvoffload_hal.tiers.registry import parse_tier, tier_keys
@@ -59,9 +70,17 @@ logger = init_logger(__name__)
 # A modest default that fits any inference host; production deployments size it
 # to the host RAM they can spare for KV (tens to hundreds of GiB).
 DEFAULT_CPU_BYTES_TO_USE = 4 << 30
+# vLLM admits waiting requests in arrival order as running ones finish, a few per
+# step at most: the next 4 are the ones a promotion started now can still get ready
+# for (a disk read of a long document takes several steps). Looking further ahead
+# pins CPU blocks for requests that run much later; the share keeps 3/4 of the CPU
+# tier for the hits, loads and stores of the requests that run.
+DEFAULT_PREFETCH_REQUESTS = 4
+DEFAULT_PREFETCH_CPU_SHARE = 0.25
 
 
-CORE_KEYS = ("cpu_bytes_to_use", "lazy_offload", "load_mode", "allow_overcommit", "eviction")
+CORE_KEYS = ("cpu_bytes_to_use", "lazy_offload", "load_mode", "allow_overcommit", "eviction",
+             "prefetch_requests", "prefetch_cpu_share", "prefetch_blocks")
 LOAD_MODES = ("auto", "async", "sync")
 
 
@@ -72,6 +91,9 @@ class OffloadConfig:
     load_mode: str = "auto"
     allow_overcommit: bool = False
     eviction: str = DEFAULT_EVICTION
+    prefetch_requests: int = DEFAULT_PREFETCH_REQUESTS
+    prefetch_cpu_share: float = DEFAULT_PREFETCH_CPU_SHARE
+    prefetch_blocks: int = 0  # 0: the share alone caps what prefetched requests hold
     tier: TierSpec | None = None  # the secondary tier behind the CPU tier, if any
 
     @classmethod
@@ -92,6 +114,11 @@ class OffloadConfig:
             allow_overcommit=boolean("allow_overcommit", extra.get("allow_overcommit", False)),
             eviction=one_of("eviction", extra.get("eviction", DEFAULT_EVICTION),
                             EVICTION_POLICIES),
+            prefetch_requests=count("prefetch_requests", extra.get(
+                "prefetch_requests", DEFAULT_PREFETCH_REQUESTS), "requests"),
+            prefetch_cpu_share=share("prefetch_cpu_share", extra.get(
+                "prefetch_cpu_share", DEFAULT_PREFETCH_CPU_SHARE)),
+            prefetch_blocks=count("prefetch_blocks", extra.get("prefetch_blocks", 0), "blocks"),
             tier=parse_tier(extra),
         )
 

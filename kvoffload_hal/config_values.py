@@ -43,3 +43,17 @@ def one_of(key: str, value: Any, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ValueError(f"{where(key, value)}: expected one of {', '.join(choices)}")
     return value
+
+
+def count(key: str, value: Any, what: str) -> int:
+    """An integer >= 0 counting ``what`` (0 usually meaning off or no limit)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where(key, value)}: expected an integer number of {what} >= 0")
+    return value
+
+
+def share(key: str, value: Any) -> float:
+    """A fraction in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{where(key, value)}: expected a number > 0 and <= 1")
+    return float(value)

@@ -71,6 +71,9 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         self.scheduler.bind_gpu_block_pool(gpu_block_pool)
 
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -142,3 +142,27 @@ def test_a_disk_tier_larger_than_the_free_space_is_refused(tmp_path, monkeypatch
 def test_an_engine_refuses_an_impossible_tier_before_building_it(make_engine):
     with pytest.raises(ValueError, match=r"cpu_bytes_to_use'\] gives .* memory on this host"):
         make_engine(cpu_blocks=2**50)  # an index of 2**50 blocks would never finish
+
+
+def test_prefetch_defaults_and_values():
+    config = OffloadConfig.from_extra_config(None)
+    assert (config.prefetch_requests, config.prefetch_cpu_share, config.prefetch_blocks) == (
+        4, 0.25, 0)
+    config = OffloadConfig.from_extra_config(
+        {"prefetch_requests": 0, "prefetch_cpu_share": 1, "prefetch_blocks": 64})
+    assert (config.prefetch_requests, config.prefetch_cpu_share, config.prefetch_blocks) == (
+        0, 1.0, 64)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    *[("prefetch_requests", v, "expected an integer number of requests >= 0")
+      for v in (-1, 1.5, "4", True, None)],
+    *[("prefetch_blocks", v, "expected an integer number of blocks >= 0")
+      for v in (-1, 2.0, "64", False)],
+    *[("prefetch_cpu_share", v, "expected a number > 0 and <= 1")
+      for v in (0, -0.1, 1.5, "0.25", True, None)],
+])
+def test_prefetch_keys_are_validated(key, value, expected):
+    with pytest.raises(ValueError) as e:
+        OffloadConfig.from_extra_config({key: value})
+    assert str(e.value) == f"kv_connector_extra_config['{key}']={value!r}: {expected}"

@@ -1,0 +1,157 @@
+"""Lookahead for waiting requests: secondary-tier blocks promoted before admission.
+
+A request waiting behind a full batch is known several steps before vLLM's
+scheduler looks it up (``get_num_new_matched_tokens``): vLLM stops looking at its
+waiting queue while every running slot is taken. Without a lookahead, a disk or
+Mooncake hit is promoted into the CPU tier only at that lookup, and the request
+waits again for the promotion.
+
+Each step, :class:`Prefetcher` takes the oldest requests added and not yet looked
+up (in arrival order, status ``WAITING``, nothing computed), up to
+``prefetch_requests`` of them, and for each one not seen before calls
+:meth:`~kvoffload_hal.tiers.scheduler_cascade.TierCascade.lookup` as the
+request's own lookup would from its first block: the promotion is queued under
+the request's id, and its blocks stay pinned for the request until vLLM looks it
+up, which then finds them in the CPU tier (or waits for the promotion in flight
+instead of starting another). The CPU hit a promotion extends is pinned too,
+so that nothing evicts it before the request runs.
+
+One request is prefetched per step, the oldest first: the promotions queued in
+one step are one job whose blocks are published when the last one is read, and
+the tier reads jobs in the order they were sent. Queued one a step, the next
+request's blocks are in the CPU tier first; queued together, it would wait for
+all of them, miss its admission and send vLLM's scheduler down the rest of the
+waiting queue (each lookup that answers "ask again later" lets it look at the
+next request).
+
+Budget: what prefetched requests hold (blocks promoting, promoted, and the hits
+they extend) never exceeds ``min(prefetch_blocks, prefetch_cpu_share x CPU
+blocks)``; a request is prefetched only within what is left. Everything it holds
+is released at its lookup or when it finishes (an abort); a promoted block that
+is not used stays ordinary CPU-tier content. Pinned blocks are never evicted, so
+a prefetch never takes blocks of running requests' copies or of earlier
+prefetches. Without a secondary tier, or with ``prefetch_requests: 0``,
+:class:`NullPrefetcher` does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm.v1.request import RequestStatus
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+    from kvoffload_hal.config import OffloadConfig
+    from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
+
+
+class NullPrefetcher:
+    """No lookahead: the scheduler's calls, each doing nothing."""
+
+    def add(self, request: Request) -> None:
+        """vLLM added ``request`` to its waiting queue."""
+
+    def forget(self, req_id: str) -> None:
+        """vLLM looked the request up, or it finished: release what it holds."""
+
+    def step(self) -> None:
+        """Queue promotions for the requests next in line (once per engine step)."""
+
+    def num_held_blocks(self) -> int:
+        """CPU blocks held for prefetched requests not yet looked up."""
+        return 0
+
+
+class Prefetcher(NullPrefetcher):
+    def __init__(self, cpu: CpuTier, cascade: NullCascade, block_size: int,
+                 stats: StatsLedger, max_requests: int, max_blocks: int) -> None:
+        self.cpu = cpu
+        self.cascade = cascade
+        self.block_size = block_size
+        self.stats = stats
+        self.max_requests = max_requests
+        self.max_blocks = max_blocks
+        # Added and neither looked up nor finished, in arrival order.
+        self._waiting: dict[str, Request] = {}
+        # Requests looked at: the CPU hit pinned for each (empty if nothing was queued).
+        self._seen: dict[str, list[KVCacheBlock]] = {}
+        # Blocks one promotion needs at least: one per KV cache group of a position.
+        self._min_blocks = max(1, len(cpu.group_block_sizes))
+
+    def add(self, request: Request) -> None:
+        self._waiting[request.request_id] = request
+
+    def forget(self, req_id: str) -> None:
+        if self._waiting.pop(req_id, None) is None:
+            return
+        hit = self._seen.pop(req_id, None)
+        if hit:
+            self.cpu.unpin(hit)
+
+    def num_held_blocks(self) -> int:
+        return sum(self.cascade.held_for(req_id) + len(hit)
+                   for req_id, hit in self._seen.items())
+
+    def step(self) -> None:
+        """Prefetch the first request of the window not looked at yet, within the budget."""
+        if not self._waiting:
+            return
+        left = self.max_blocks - self.num_held_blocks()
+        ahead = 0
+        for req_id, request in self._waiting.items():
+            if ahead >= self.max_requests or left < self._min_blocks:
+                return
+            if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+                continue  # not admissible yet (remote KV, grammar), or already scheduled
+            ahead += 1
+            if req_id not in self._seen:
+                if self._prefetch(request, left):
+                    return  # one request a step (see the module docstring)
+
+    def _prefetch(self, request: Request, budget: int) -> int:
+        """Queue the promotion of the request's tier blocks after its CPU hit, within
+        ``budget`` blocks held; the blocks now held for it."""
+        req_id = request.request_id
+        # As the request's own lookup: the last prompt token is always computed.
+        max_hit_tokens = request.num_tokens - 1
+        if (request.skip_reading_prefix_cache or max_hit_tokens < self.block_size
+                or not request.block_hashes):
+            self._seen[req_id] = []
+            return 0
+        hit, hit_tokens = self.cpu.find_hit(request.block_hashes, 0, max_hit_tokens)
+        hit_blocks = [b for group in hit for b in group if not b.is_null]
+        room = budget - len(hit_blocks)
+        if room < self._min_blocks:
+            return 0  # looked at again once prefetched requests release blocks
+        free_before = self.cpu.num_free_blocks()
+        queued = self.cascade.lookup(request, hit, hit_tokens // self.block_size,
+                                     max_hit_tokens // self.block_size, max_blocks=room)
+        # A promotion takes fresh CPU blocks; a lookup changes the free count otherwise
+        # only when none were free (it then waits for room, holding nothing new).
+        promoted = free_before - self.cpu.num_free_blocks()
+        held = self.cascade.held_for(req_id)
+        if not (queued and held):
+            self._seen[req_id] = []
+            return held
+        self.cpu.pin(hit_blocks)
+        self._seen[req_id] = hit_blocks
+        if promoted > 0:
+            self.stats.record_prefetch(promoted)
+        return held + len(hit_blocks)
+
+
+def build_prefetcher(config: OffloadConfig, secondary_tier: bool, cpu: CpuTier,
+                     cascade: NullCascade, block_size: int,
+                     stats: StatsLedger) -> NullPrefetcher:
+    """The lookahead configured, or :class:`NullPrefetcher` where it has nothing to do."""
+    cap = int(config.prefetch_cpu_share * cpu.num_blocks)
+    if config.prefetch_blocks:
+        cap = min(cap, config.prefetch_blocks)
+    if not secondary_tier or config.prefetch_requests <= 0 or cap <= 0:
+        return NullPrefetcher()
+    return Prefetcher(cpu, cascade, block_size, stats, config.prefetch_requests, cap)
