@@ -6,6 +6,8 @@ landed, fails the test unless it was reported as a failed load.
 """
 
 import os
+import threading
+import time
 
 BS = 16
 PAGE = BS * 128  # one harness block: 16 tokens x 128 bytes of K and V
@@ -165,4 +167,40 @@ def test_a_failed_load_of_a_promoted_hit_is_not_promoted_again(make_engine, tmp_
     assert engine.outputs["again"] == engine.outputs["first"]
     assert _delta(engine, before, "blocks_from_disk") > 0
     assert engine.worker.worker.totals.data.get("failed_jobs", 0) > 0
+    engine.assert_idle()
+
+
+def test_a_staged_hit_without_room_gives_up_and_recomputes(make_engine, tmp_path, monkeypatch):
+    """Disk writes that never end hold every CPU block: after MAX_STAGE_WAIT_S the rest
+    of the hit is reported failed and recomputed, with nothing stranded."""
+    from kvoffload_hal.tiers import staged
+
+    monkeypatch.setattr(staged, "MAX_STAGE_WAIT_S", 0.3)
+    engine = make_engine(cpu_blocks=4, num_gpu_blocks=16, extra_config={
+        "disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 256 * PAGE})
+    doc = _doc(1)[:6 * BS + 1]
+    _serve(engine, ("first", doc))
+    for seed in range(2, 5):
+        _serve(engine, (f"other-{seed}", _doc(seed)[:6 * BS + 1]))
+    tier = engine.worker.worker.tier
+    gate = threading.Event()  # disk writes wait here: the spills hold the CPU tier
+    write = tier._store_batch
+    tier._store_batch = lambda items: (gate.wait(30), write(items))[1]
+    try:
+        engine.add("last", _doc(5)[:6 * BS + 1])
+        while "last" not in engine.finished:
+            engine.step()
+        assert engine.offload.cpu.num_free_blocks() == 0
+        engine.add("again", doc)
+        deadline = time.monotonic() + 20
+        while "again" not in engine.finished and time.monotonic() < deadline:
+            engine.step()
+            time.sleep(0.01)
+        assert "again" in engine.finished, "the staged hit waited past its limit"
+    finally:
+        gate.set()
+    engine.drain()
+    assert engine.outputs["again"] == engine.outputs["first"]
+    assert engine.cached_tokens["again"] < 6 * BS  # recomputed, not served
+    assert engine.offload.totals.data.get("staged_hits", 0) == 0
     engine.assert_idle()
