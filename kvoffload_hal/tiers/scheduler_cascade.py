@@ -79,9 +79,13 @@ class NullCascade:
         ``max_blocks``: promote at most that many CPU blocks (a prefetch's budget)."""
         return False
 
-    def held_for(self, req_id: str) -> int:
-        """CPU blocks promoted, or being promoted, for the request and kept for it."""
+    def held_for(self, req_id: str, promoting_only: bool = False) -> int:
+        """CPU blocks promoted (unless ``promoting_only``), or being promoted, for the
+        request and kept for it."""
         return 0
+
+    def release_promoted(self, req_id: str) -> None:
+        """Drop the pins kept on blocks promoted for the request (it pinned its hit)."""
 
     def request_finished(self, req_id: str) -> None:
         """Forget the request; a promotion in flight completes without it."""
@@ -180,15 +184,16 @@ class TierCascade(NullCascade):
         self.cpu.pin_hit(hit)
         self._max_blocks = max_blocks
         try:
-            self._release_promoted(request.request_id)
+            self.release_promoted(request.request_id)
             return self._promote(request, hit, first_block, end_block)
         finally:
             self._max_blocks = None
             self.cpu.unpin_hit(hit)
 
-    def held_for(self, req_id: str) -> int:
+    def held_for(self, req_id: str, promoting_only: bool = False) -> int:
         job = self._promoting.get(req_id)
-        return len(self._promoted.get(req_id, ())) + (len(job.blocks) if job else 0)
+        held = 0 if promoting_only else len(self._promoted.get(req_id, ()))
+        return held + (len(job.blocks) if job else 0)
 
     def queue_promotion(self, keys: list[BlockKey], hashes: list[Any], req_id: str | None,
                         on_done: Callable[[list[KVCacheBlock], int], None] | None = None,
@@ -275,7 +280,7 @@ class TierCascade(NullCascade):
             if step.kind == "spill":
                 yield from step.jobs
 
-    def _release_promoted(self, req_id: str) -> None:
+    def release_promoted(self, req_id: str) -> None:
         """Drop the pins kept on promoted blocks once the request looked them up again."""
         blocks = self._promoted.pop(req_id, None)
         if blocks:
@@ -283,7 +288,7 @@ class TierCascade(NullCascade):
 
     def request_finished(self, req_id: str) -> None:
         self._room_wait_since.pop(req_id, None)
-        self._release_promoted(req_id)
+        self.release_promoted(req_id)
         self._no_promotion.discard(req_id)
         job = self._promoting.pop(req_id, None)
         if job is not None:

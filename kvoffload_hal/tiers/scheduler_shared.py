@@ -115,7 +115,7 @@ class SharedTierCascade(TierCascade):
         job = self._promoting.pop(req_id, None)
         if job is not None:
             job.req_id = None  # completes (and is published) without the request
-        self._release_promoted(req_id)
+        self.release_promoted(req_id)
         self._no_promotion.add(req_id)
         self.stats.record_breaker(skipped=1)
         return False
@@ -186,7 +186,7 @@ class SharedTierCascade(TierCascade):
         return False
 
     def _give_up(self, req_id: str) -> bool:
-        self._release_promoted(req_id)  # what it kept while waiting
+        self.release_promoted(req_id)  # what it kept while waiting
         self._no_promotion.add(req_id)
         self.stats.record_mooncake(timeouts=1)
         self.breaker.timeout()

@@ -98,8 +98,8 @@ def _plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[
               entries: Iterator[tuple[str, Any]], now: float) -> _Staged | None:
     """The run of the tier's blocks after the hit, when it is longer than the room a
     promotion has (else a promotion serves it whole, or there is nothing to get)."""
-    if cascade.held_for(req_id):
-        return None
+    if cascade.held_for(req_id, promoting_only=True):
+        return None  # its promotion (a prefetch) is in flight: the cascade waits for it
     held: list[tuple[int, KVCacheBlock]] = list(enumerate(hit_blocks))
     tier: list[tuple[int, str, Any]] = []
     for pos, (key, block_hash) in enumerate(entries, start=len(hit_blocks)):
@@ -182,6 +182,7 @@ class StagedHits:
         self.cascade.index.pin(staged.keys)
         self._owners.update((key, staged.req_id) for key in staged.keys)
         self._pending[staged.req_id] = staged
+        self.cascade.release_promoted(staged.req_id)  # a prefetch's blocks: pinned above
         return staged.num_tokens
 
     def release_pending(self, req_id: str) -> None:

@@ -204,3 +204,29 @@ def test_a_staged_hit_without_room_gives_up_and_recomputes(make_engine, tmp_path
     assert engine.cached_tokens["again"] < 6 * BS  # recomputed, not served
     assert engine.offload.totals.data.get("staged_hits", 0) == 0
     engine.assert_idle()
+
+
+def test_a_prefetched_request_with_a_long_hit_is_still_served_whole(make_engine, tmp_path):
+    """Prefetch promotes what its budget allows while the request waits; the rest of
+    the hit is staged at its lookup, not recomputed."""
+    from support.prefetch_rig import forget_caches
+
+    engine = make_engine(cpu_blocks=CPU_BLOCKS * 2, num_gpu_blocks=2 * DOC_BLOCKS + 16,
+                         max_num_seqs=1, max_num_batched_tokens=4 * BS, extra_config={
+                             "disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 256 * PAGE,
+                             "prefetch_requests": 2})
+    doc = _doc(1)
+    _serve(engine, ("first", doc))
+    forget_caches(engine)
+    engine.add("filler", [90] * (2 * BS + 1), max_tokens=40)  # takes the only slot
+    engine.step()
+    engine.add("again", doc)
+    for _ in range(20):
+        engine.step()
+    assert engine.offload.totals.data.get("blocks_prefetched", 0) > 0
+    engine.run_until_done()
+    engine.drain()
+    assert engine.outputs["again"] == engine.outputs["first"]
+    assert engine.cached_tokens["again"] == DOC_BLOCKS * BS
+    assert engine.offload.totals.data.get("staged_hits", 0) == 1
+    engine.assert_idle()
