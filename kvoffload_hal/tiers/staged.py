@@ -112,7 +112,8 @@ def _plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[
             tier.append((pos, key, block_hash))
         else:
             break
-    if len(tier) <= cascade.room():
+    # The room a promotion has once the CPU blocks of the hit and run are pinned.
+    if len(tier) <= cascade.room() - sum(1 for _, b in held if b.ref_cnt == 0):
         return None
     last = tier[-1][0]
     return _Staged(req_id, [x for x in held if x[0] < last], tier, 0, 0, now)

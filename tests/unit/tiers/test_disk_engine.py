@@ -39,6 +39,9 @@ def test_a_disk_hit_longer_than_the_cpu_tier_finishes(make_engine, tmp_path):
     assert engine.outputs["a-again"] == engine.outputs["a"]
     totals = engine.offload.totals.data
     assert totals["blocks_from_disk"] > 0 and totals["cpu_hit_tokens"] > 4 * BS
+    # The run fits the free CPU blocks only if the hit's own blocks count as free: it is
+    # staged, and comes back whole.
+    assert engine.cached_tokens["a-again"] == 20 * BS
     engine.assert_idle()
 
 
