@@ -46,22 +46,28 @@ def free_port() -> int:
 
 
 class MooncakeMaster:
-    """``with MooncakeMaster() as m:`` runs a master at ``m.address`` until the block ends."""
+    """``with MooncakeMaster() as m:`` runs a master at ``m.address`` until the block ends.
 
-    def __init__(self, log_path: str | None = None) -> None:
+    ``flags``: more command-line flags (``-client_ttl=2``). :meth:`start` after
+    :meth:`kill` runs a new master on the same port, with nothing of the old one's
+    state (its log appended to the same file).
+    """
+
+    def __init__(self, log_path: str | None = None, flags: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.flags = tuple(flags)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> MooncakeMaster:
         binary = master_binary()
         assert binary is not None, skip_reason()
-        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [binary, f"-rpc_port={self.port}", "-rpc_address=127.0.0.1",
              f"-metrics_port={free_port()}", "-enable_metric_reporting=false",
-             "-default_kv_lease_ttl=500"],
+             "-default_kv_lease_ttl=500", *self.flags],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + MASTER_START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -81,8 +87,15 @@ class MooncakeMaster:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    def freeze(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.thaw()  # a stopped master would not act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
