@@ -23,7 +23,11 @@ Prints a table and writes ``docs/benchmarks/scheduler_overhead.{md,png}``.
 
 ``--prefill`` starts our CPU tier full of blocks no request reads (stored as
 store jobs publish them): with ``--compare-eviction`` it compares the eviction
-policies on a full tier, per step and in CPU-tier loads. ``--memory`` measures
+policies on a full tier, per step, in CPU-tier loads and in the time spent in the
+policy's own calls (``Eviction.on_stored`` and the rest, timed inside the
+connector's). On a busy host, ``--keep median`` reports each point's median run
+instead of its fastest, and the table adds the median of the per-round ratios
+(the policies run back to back in each round). ``--memory`` measures
 instead the start-up time and steady-state memory of the scheduler side by
 CPU-tier size (``scheduler_overhead_memory.py``; writes
 ``docs/benchmarks/scheduler_overhead_memory.md``).
@@ -31,8 +35,9 @@ CPU-tier size (``scheduler_overhead_memory.py``; writes
     python benchmarks/scheduler_overhead.py [--cpu-blocks 1000 10000 100000]
                                             [--requests 10 100 1000] [--steps 150] [--repeats 3]
                                             [--prefill] [--compare-eviction] [--quick]
+                                            [--keep median] [--warmup-steps 0] [--tag NAME]
     python benchmarks/scheduler_overhead.py --memory [--memory-blocks 10000 100000 1000000 4000000]
-                                            [--trace]
+                                            [--trace] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -41,15 +46,16 @@ import argparse
 import gc
 import os
 import random
-import time
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from scheduler_overhead_points import OURS, TIMED, UPSTREAM, Point
+from scheduler_overhead_points import OURS, UPSTREAM, Point, Timer
 from scheduler_overhead_report import (
     format_eviction_table,
     format_memory_table,
     format_table,
+    machine_line,
     write_plot,
 )
 
@@ -67,38 +73,12 @@ QUESTION_TOKENS = (32, 128)
 OUTPUT_TOKENS = (16, 96)
 DEVICE_FRACTION = 0.5  # of the blocks the live requests need: forces evictions and preemptions
 SAMPLED_TOKEN = 7
+EVICTION_HOOKS = ("on_loaded", "on_stored", "on_allocated", "on_dropped", "release")
 
 CONNECTORS = {
     OURS: dict(kv_connector=OURS, kv_connector_module_path="kvoffload_hal.connector"),
     UPSTREAM: dict(kv_connector=UPSTREAM),
 }
-
-
-class Timer:
-    """Wraps a connector's scheduler methods; nested calls count once (the outermost)."""
-
-    def __init__(self, connector) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        self.enabled = False
-        self._depth = 0
-        for name in TIMED:
-            if hasattr(connector, name):
-                setattr(connector, name, self._wrap(name, getattr(connector, name)))
-
-    def _wrap(self, name, fn):
-        def timed(*args, **kwargs):
-            if not self.enabled or self._depth:
-                return fn(*args, **kwargs)
-            self._depth += 1
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.calls[name] += 1
-                self._depth -= 1
-        return timed
 
 
 def make_vllm_config(model: str, connector: str, max_num_seqs: int,
@@ -235,6 +215,9 @@ def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int
     if prefill and connector == OURS:
         prefill_cpu_tier(scheduler, seed)
     timer = Timer(scheduler.get_kv_connector())
+    # The eviction policy's own calls (inside the connector's): what a policy costs.
+    hooks = Timer(scheduler.get_kv_connector().scheduler.cpu.eviction, EVICTION_HOOKS) \
+        if connector == OURS else None
     trace = Trace(live, seed)
     point = Point(connector, cpu_blocks, live, steps, {}, {})
     for step in range(warmup_steps + steps):
@@ -244,6 +227,8 @@ def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int
             gc.collect()
             gc.disable()
         timer.enabled = measuring
+        if hooks is not None:
+            hooks.enabled = measuring
         while len(scheduler.requests) < live:
             scheduler.add_request(trace.new_request())
         out = scheduler.schedule()
@@ -263,6 +248,8 @@ def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int
     gc.enable()
     point.connector_s = dict(timer.seconds)
     point.calls = dict(timer.calls)
+    if hooks is not None:
+        point.extra["eviction_s"] = sum(hooks.seconds.values())
     return point
 
 
@@ -281,7 +268,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="start with our CPU tier full of blocks no request uses "
                              "(ours only: compare eviction policies on a full tier)")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per point, connectors alternating; the fastest is kept")
+                        help="runs per point, connectors alternating (--memory: processes per "
+                             "row, policies alternating, medians kept)")
+    parser.add_argument("--keep", choices=("fastest", "median"), default="fastest",
+                        help="which of a point's repeats is reported: the fastest, or the "
+                             "median run (on a noisy host)")
     parser.add_argument("--memory", action="store_true",
                         help="instead: start-up time and steady-state memory of the scheduler "
                              "side by CPU-tier size (scheduler_overhead_memory.py)")
@@ -295,6 +286,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="1000 CPU blocks, 10 and 100 requests, 40 steps; no files written")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    parser.add_argument("--tag", default="", help="appended to the names of the files written")
     args = parser.parse_args(argv)
     if args.quick:
         args.cpu_blocks, args.requests, args.steps, args.warmup_steps = [1000], [10, 100], 40, 20
@@ -303,24 +295,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, model: str) -> tuple[list[Point], list[Point]]:
-    """Every point, best of the repeats: (both connectors with ``--eviction``, ours
-    with each eviction policy where ``--compare-eviction``)."""
+    """Every point, the fastest or the median of the repeats (``--keep``): (both
+    connectors with ``--eviction``, ours with each eviction policy where
+    ``--compare-eviction``)."""
     variants = [(name, args.eviction) for name in CONNECTORS]
     if args.compare_eviction:
         variants += [(OURS, e) for e in EVICTION_POLICIES if e != args.eviction]
     points, by_eviction = [], []
     for nb in args.cpu_blocks:
         for live in args.requests:
-            best: dict[tuple[str, str], Point] = {}
-            for _ in range(args.repeats):  # alternate the variants, keep each one's best
+            runs: dict[tuple[str, str], list[Point]] = defaultdict(list)
+            for _ in range(args.repeats):  # alternate the variants
                 for name, eviction in variants:
                     p = run_point(model, name, nb, live, args.steps, args.warmup_steps,
                                   args.seed, eviction, args.prefill)
                     p.extra["eviction"] = eviction
-                    old = best.get((name, eviction))
-                    if old is None or p.us_per_step < old.us_per_step:
-                        best[name, eviction] = p
-            for (name, eviction), p in best.items():
+                    runs[name, eviction].append(p)
+            for (name, eviction), ps in runs.items():
+                in_order = [q.us_per_step for q in ps]  # repeat i of each variant: one round
+                ps = sorted(ps, key=lambda q: q.us_per_step)
+                p = ps[0] if args.keep == "fastest" else ps[(len(ps) - 1) // 2]
+                p.extra["us_per_step_runs"] = in_order
+                if name == OURS:  # the policy's own calls: their median over the repeats
+                    p.extra["eviction_us"] = statistics.median(
+                        q.extra["eviction_s"] / q.steps * 1e6 for q in ps)
                 if eviction == args.eviction:
                     points.append(p)
                 if name == OURS and args.compare_eviction:
@@ -335,15 +333,17 @@ def main_memory(args: argparse.Namespace) -> None:
     from scheduler_overhead_memory import measure_memory
 
     sizes = [10_000] if args.quick else args.memory_blocks
-    rows = measure_memory(sizes, list(EVICTION_POLICIES), args.steady_tiers, args.trace)
+    repeats = 1 if args.quick else args.repeats
+    rows = measure_memory(sizes, list(EVICTION_POLICIES), args.steady_tiers, args.trace, repeats)
     table = format_memory_table(rows)
     print(table)
     if args.quick:
         return
     args.out_dir.mkdir(parents=True, exist_ok=True)
     setup = (f"each CPU block stored {args.steady_tiers:g} times over in jobs of 256 new hashes, "
-             "16 blocks loaded every fourth job; one process per row (RSS against the process "
-             "before the scheduler was built)")
+             f"16 blocks loaded every fourth job; one process per run, {repeats} runs per row "
+             "(policies alternating), the median of each figure (RSS against the process "
+             f"before the scheduler was built); tracemalloc in one more process; {machine_line()}")
     (args.out_dir / "scheduler_overhead_memory.md").write_text(
         f"# Scheduler side: start-up and steady-state memory\n\n{setup}.\n\n{table}\n")
     print(f"wrote {args.out_dir / 'scheduler_overhead_memory.md'}")
@@ -361,7 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     table = format_table(points)
     if by_eviction:
         table += ("\n\nOurs with each eviction policy (alternating in the same run), µs per "
-                  "step and CPU-tier loads (requests):\n\n"
+                  f"step ({args.keep} run; by round: the median of the ratios of the runs "
+                  "back to back), CPU-tier loads (requests), and µs per step in the policy's "
+                  "own calls (median):\n\n"
                   + format_eviction_table(by_eviction, "lru"))
     print(table)
     if args.quick:
@@ -369,14 +371,15 @@ def main(argv: list[str] | None = None) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     setup = (f"{args.steps} measured steps after {args.warmup_steps} warm-up steps per point; "
              f"{MAX_NUM_BATCHED_TOKENS} tokens per step; block {BLOCK_SIZE} tokens; device pool "
-             f"{DEVICE_FRACTION:.0%} of the live requests' need; best of {args.repeats} runs "
-             f"(connectors alternating); garbage collection off while timing; seed {args.seed}; "
-             f"eviction {args.eviction}")
+             f"{DEVICE_FRACTION:.0%} of the live requests' need; {args.keep} of {args.repeats} "
+             f"runs (connectors alternating); garbage collection off while timing; seed "
+             f"{args.seed}; eviction {args.eviction}; {machine_line()}")
     # A run on a full tier goes beside the main table, not over it.
     name, title = "scheduler_overhead", "Scheduler-side connector overhead"
     if args.prefill:
         name, title = "scheduler_overhead_full_tier", title + ", CPU tier full of unused blocks"
         setup += "; our CPU tier starts full of blocks no request reads"
+    name += f"_{args.tag}" if args.tag else ""
     (args.out_dir / f"{name}.md").write_text(
         f"# {title}\n\n{setup}.\n\n{table}\n\n![plot]({name}.png)\n")
     write_plot(points, args.out_dir / f"{name}.png")

@@ -15,14 +15,20 @@ scheduler was built:
   the Python memory allocated by the scheduler side at steady state, and the part
   held by the eviction modules themselves (``kvoffload_hal/scheduler/eviction*.py``).
 
+With ``--repeats N`` each (size, policy) runs in N processes, the policies
+alternating, and the median of each figure is reported: RSS moves by a few
+hundred KiB between processes (allocator arenas), which at 10 000 blocks is tens
+of bytes per block.
+
     python benchmarks/scheduler_overhead.py --memory [--memory-blocks 10000 100000 1000000]
-                                             [--steady-tiers 2] [--trace]
+                                             [--steady-tiers 2] [--trace] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +39,8 @@ EVICTION_MODULES = "*/kvoffload_hal/scheduler/eviction*.py"
 STORE_JOB_BLOCKS = 256
 LOAD_BLOCKS = 16
 DEVICE_BLOCKS = 128  # the device pool: enough for one request of the maximum length
+#: Figures of one process that vary between processes: the median over the repeats is kept.
+MEDIAN_KEYS = ("startup_s", "rss_startup", "fill_s", "rss_steady", "rss_peak")
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -120,13 +128,27 @@ def run_child(eviction: str, cpu_blocks: int, steady_tiers: float, trace: bool) 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def median_row(runs: list[dict]) -> dict:
+    """One row from ``runs`` of one (size, policy): the median of each measured figure."""
+    row = dict(runs[0], repeats=len(runs))
+    for key in MEDIAN_KEYS:
+        row[key] = statistics.median(r[key] for r in runs)
+    return row
+
+
 def measure_memory(sizes: list[int], evictions: list[str], steady_tiers: float,
-                   trace: bool) -> list[dict]:
-    """Every (size, policy): RSS and start-up in one process, tracemalloc in another."""
+                   trace: bool, repeats: int = 1) -> list[dict]:
+    """Every (size, policy): RSS and start-up in ``repeats`` processes (the policies
+    alternating; medians kept), tracemalloc in one more (it does not vary)."""
     rows = []
     for cpu_blocks in sizes:
+        runs: dict[str, list[dict]] = {e: [] for e in evictions}
+        for _ in range(repeats):
+            for eviction in evictions:
+                runs[eviction].append(run_child(eviction, cpu_blocks, steady_tiers, False))
+                print(json.dumps(runs[eviction][-1]), flush=True)
         for eviction in evictions:
-            row = run_child(eviction, cpu_blocks, steady_tiers, False)
+            row = median_row(runs[eviction])
             if trace:
                 traced = run_child(eviction, cpu_blocks, steady_tiers, True)
                 row.update(traced_steady=traced["traced_steady"],

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import statistics
+import subprocess
 from pathlib import Path
 
 from scheduler_overhead_points import OURS, TIMED, UPSTREAM, Point
 
 TARGET_RATIO = 0.5  # ours / upstream, at every point
+TARGET_EXTRA_BYTES = 32  # a policy's steady-state memory over lru, per CPU block
+
+
+def machine_line() -> str:
+    """The host, as ``lscpu`` names it, and whether it has AVX-512 and AMX."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "lscpu: unavailable"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    model = fields.get("Model name", "?").strip()
+    flags = fields.get("Flags", "").split()
+    wanted = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return (f"lscpu: {model}, {fields.get('CPU(s)', '?').strip()} CPUs, flags include "
+            + (" ".join(wanted) or "none of avx2/avx512f/amx"))
 
 
 def format_table(points: list[Point]) -> str:
@@ -45,25 +62,40 @@ def format_table(points: list[Point]) -> str:
 
 
 def format_eviction_table(points: list[Point], reference: str) -> str:
-    """Ours with each eviction policy, µs per step and CPU-tier loads, against ``reference``."""
+    """Ours with each eviction policy, µs per step and CPU-tier loads, against ``reference``;
+    last, the time in the policy's own calls (``Eviction.on_stored`` and the rest)."""
     evictions = list(dict.fromkeys(p.extra["eviction"] for p in points))
     others = [e for e in evictions if e != reference]
     by = {(p.cpu_blocks, p.live_requests, p.extra["eviction"]): p for p in points}
     lines = ["| CPU blocks | live requests | " + " | ".join(f"{e} µs/step" for e in evictions)
              + " | " + " | ".join(f"{e}/{reference}" for e in others) + " | "
+             + " | ".join(f"{e}/{reference} by round, median" for e in others) + " | "
              + " | ".join(f"{e} loads" for e in evictions) + " | "
-             + " | ".join(f"{e}/{reference} loads" for e in others) + " |",
-             "|---:|---:|" + "---:|" * (2 * len(evictions) + 2 * len(others))]
+             + " | ".join(f"{e}/{reference} loads" for e in others) + " | "
+             + " | ".join(f"{e} policy calls µs/step" for e in evictions) + " |",
+             "|---:|---:|" + "---:|" * (3 * len(evictions) + 3 * len(others))]
     for nb, live in sorted({(p.cpu_blocks, p.live_requests) for p in points}):
         ref = by[nb, live, reference]
         lines.append(f"| {nb} | {live} | "
                      + " | ".join(f"{by[nb, live, e].us_per_step:.0f}" for e in evictions) + " | "
                      + " | ".join(f"{by[nb, live, e].us_per_step / ref.us_per_step:.2f}"
                                   for e in others) + " | "
+                     + " | ".join(f"{paired_ratio(by[nb, live, e], ref):.2f}"
+                                  for e in others) + " | "
                      + " | ".join(f"{by[nb, live, e].loads}" for e in evictions) + " | "
                      + " | ".join(f"{by[nb, live, e].loads / max(1, ref.loads):.2f}"
-                                  for e in others) + " |")
+                                  for e in others) + " | "
+                     + " | ".join(f"{by[nb, live, e].extra.get('eviction_us', float('nan')):.1f}"
+                                  for e in evictions) + " |")
     return "\n".join(lines)
+
+
+def paired_ratio(point: Point, reference: Point) -> float:
+    """The median over the repeats of ``point``'s µs per step over ``reference``'s in
+    the same round (the two ran back to back: what the host was doing then cancels)."""
+    mine = point.extra.get("us_per_step_runs", [point.us_per_step])
+    theirs = reference.extra.get("us_per_step_runs", [reference.us_per_step])
+    return statistics.median(a / b for a, b in zip(mine, theirs))
 
 
 def write_plot(points: list[Point], path: Path) -> None:
@@ -114,14 +146,19 @@ def format_memory_table(rows: list[dict], reference: str = "lru") -> str:
         lines.append(line)
     by_key = {(r["cpu_blocks"], r["eviction"]): r for r in rows}
     extra = [f"| CPU blocks | eviction | RSS steady B/block over {reference} |"
-             + (f" traced steady B/block over {reference} |" if traced else ""),
-             "|---:|:---|---:|" + ("---:|" if traced else "")]
+             + (f" traced steady B/block over {reference} |" if traced else "")
+             + f" target (<= {TARGET_EXTRA_BYTES}) |",
+             "|---:|:---|---:|" + ("---:|" if traced else "") + ":---:|"]
     for (blocks, eviction), r in sorted(by_key.items()):
         ref = by_key.get((blocks, reference))
         if ref is None or eviction == reference:
             continue
-        line = f"| {blocks} | {eviction} | {(r['rss_steady'] - ref['rss_steady']) / blocks:.1f} |"
+        rss = (r["rss_steady"] - ref["rss_steady"]) / blocks
+        line = f"| {blocks} | {eviction} | {rss:.1f} |"
+        ok = rss <= TARGET_EXTRA_BYTES
         if traced:
-            line += f" {(r['traced_steady'] - ref['traced_steady']) / blocks:.1f} |"
-        extra.append(line)
+            python = (r["traced_steady"] - ref["traced_steady"]) / blocks
+            line += f" {python:.1f} |"
+            ok = ok and python <= TARGET_EXTRA_BYTES
+        extra.append(line + f" {'✓' if ok else '✗'} |")
     return "\n".join(lines + [""] + extra)
