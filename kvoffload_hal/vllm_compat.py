@@ -41,6 +41,8 @@ by source)                                             connector's hits count as
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -61,6 +63,15 @@ _TransferResults = getattr(connector_base, "KVConnectorTransferResults", None)
 HAS_TRANSFER_RESULTS: bool = _TransferResults is not None
 # Whether an idle engine keeps stepping while the connector has push work.
 STEPS_FOR_PUSH_WORK: bool = hasattr(connector_base.KVConnectorBase_V1, "has_pending_push_work")
+# vLLM 0.32 drains waiting requests that hold KV blocks before the others; before,
+# its scan of the waiting queue stopped at the first request it could not allocate,
+# so a request whose asynchronous load landed behind that one was not picked up.
+@functools.cache
+def block_holders_first() -> bool:
+    scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")  # at use: no cycle
+    return hasattr(scheduler.Scheduler, "_holds_kv_blocks")
+
+
 REPORTS_FAILED_RECVING: bool = "failed_recving" in getattr(
     KVConnectorOutput, "__dataclass_fields__", {})
 _BLOCK_STORED_FIELDS = frozenset(getattr(kv_events.BlockStored, "__struct_fields__", ()))

@@ -30,7 +30,9 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
 
+from kvoffload_hal import vllm_compat
 from kvoffload_hal.capabilities import LOAD_RECOVERIES, resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.logger import init_logger
@@ -91,6 +93,10 @@ class OffloadScheduler:
         self.prefetch = build_prefetcher(config, self.caps.secondary_tier, self.cpu,
                                          self.cascade, block_size, self.stats)
         self.gpu_pool: BlockPool | None = None
+        # Requests answered with an asynchronous load, and those whose load landed
+        # (vLLM < 0.32: see _lets_landed_loads_in).
+        self._async_loads: dict[str, Request] = {}
+        self._landed_loads: dict[str, Request] = {}
         logger.info(
             "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores, "
             "%s loads", self.cpu.num_blocks, config.cpu_bytes_per_rank(self.world_size) / 2**30,
@@ -133,6 +139,8 @@ class OffloadScheduler:
         self.prefetch.forget(req_id)
         self.loads.release_hit(req_id)
         self.staged.release_pending(req_id)
+        if self._landed_loads and self._lets_landed_loads_in():
+            return None, False  # vLLM's scan goes on to the requests whose load landed
         if self.loads.in_flight(req_id):
             return None, False  # a load for this request is still in flight: ask later
         if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
@@ -154,6 +162,7 @@ class OffloadScheduler:
             if staged is None:
                 return None, False  # a staged hit brings these blocks: ask again later
             if staged:
+                self._async_loads[req_id] = request
                 return staged, True  # longer than the CPU tier's room: loaded in rounds
             if self.cascade.lookup(
                     request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
@@ -162,7 +171,23 @@ class OffloadScheduler:
         if hit_tokens <= 0:
             return 0, False
         self.loads.hold_hit(req_id, hit, num_computed_tokens)
+        if not self.caps.sync_loads:
+            self._async_loads[req_id] = request
         return hit_tokens, not self.caps.sync_loads
+
+    def _lets_landed_loads_in(self) -> bool:
+        """Whether a request whose asynchronous load landed still waits for vLLM to
+        pick it up, where vLLM (< 0.32) stops scanning its waiting queue at the first
+        request it cannot allocate: every other lookup then asks again later, so the
+        scan reaches it. Otherwise a request ahead of it that needs the device blocks
+        it holds would stop the scan before it, every step."""
+        if vllm_compat.block_holders_first():
+            self._landed_loads.clear()
+            return False
+        for req_id, request in list(self._landed_loads.items()):
+            if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self._landed_loads[req_id]
+        return bool(self._landed_loads)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -177,6 +202,8 @@ class OffloadScheduler:
         picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)
         self.stores.queue(picker)
+        self.loads.release_unallocated()
+        self.staged.release_unallocated()
         self.prefetch.step()
         self.staged.advance()
         load = self.loads.take_job()
@@ -198,6 +225,10 @@ class OffloadScheduler:
             self.cascade.on_reports(meta.tier)
             self.cascade.on_found(meta.tier_found, meta.tier_scans_done)
         self.staged.on_transfer_results(output)
+        for req_id in output.finished_recving or ():
+            request = self._async_loads.pop(req_id, None)
+            if request is not None:
+                self._landed_loads[req_id] = request
 
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: Request,
@@ -206,6 +237,8 @@ class OffloadScheduler:
         req_id = request.request_id
         self.loads.release_hit(req_id)
         self.prefetch.forget(req_id)
+        self._async_loads.pop(req_id, None)
+        self._landed_loads.pop(req_id, None)
         self.cascade.request_finished(req_id)
         picker = self.stores.picker()
         self.policy.on_finished(request, block_ids, picker)

@@ -131,6 +131,13 @@ class LoadJobs:
         self.cpu.pin_hit(hit)
         self._pending_hits[req_id] = _PendingHit(hit, num_computed_tokens)
 
+    def release_unallocated(self) -> None:
+        """Hits held this step whose request vLLM could not allocate: vLLM looks it up
+        again, so its hit need not stay pinned meanwhile (where the device is full, for
+        as long as the requests holding it wait for CPU room; see tiers/staged.py)."""
+        for req_id in list(self._pending_hits):
+            self.release_hit(req_id)
+
     def release_hit(self, req_id: str) -> None:
         pending = self._pending_hits.pop(req_id, None)
         if pending is not None:

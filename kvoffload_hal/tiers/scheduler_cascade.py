@@ -1,11 +1,8 @@
-"""Scheduler side of a secondary tier: write-through spills and asynchronous promotions.
+"""Scheduler side of a secondary tier: asynchronous promotions.
 
-* **Spill (write-through).** When a device->CPU store is published, its blocks
-  are also queued for the tier (those the tier has room for). The CPU block stays
-  referenced until every rank wrote it, so it cannot be reused mid-write.
-  Write-through was chosen over write-on-evict because vLLM's BlockPool evicts
-  inside ``get_new_blocks`` without a hook: by the time a block is known to be
-  evicted its bytes are already being overwritten.
+Spills (write-through) and the jobs' transport are
+:class:`~kvoffload_hal.tiers.scheduler_spill.SpillCascade`'s; :class:`TierCascade` adds:
+
 * **Promotion.** When a lookup finds the CPU hit continued by blocks the tier
   holds, fresh CPU blocks are allocated and a tier->CPU job is queued; the
   request is told to ask again later (``None``) so the engine step does not
@@ -26,17 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
-from kvoffload_hal.scheduler.jobs import JobBook, RankTally
 from kvoffload_hal.tiers.scheduler_groups import GroupKeys
 from kvoffload_hal.tiers.scheduler_index import TierIndex
-from kvoffload_hal.tiers.scheduler_rebuild import IndexRebuild
+from kvoffload_hal.tiers.scheduler_spill import NullCascade, SpillCascade, TierJob, TierStep
 from kvoffload_hal.tiers.worker_tier import BlockKey
 
 if TYPE_CHECKING:
@@ -46,83 +40,13 @@ if TYPE_CHECKING:
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
 
-NO_TIER_JOBS = TierJobs()
 # The longest a request waits for CPU blocks that copies in flight hold before it
 # recomputes instead: spills finish in milliseconds unless the disk is stuck.
 MAX_ROOM_WAIT_S = 10.0
 
 logger = init_logger(__name__)
 
-
-class NullCascade:
-    """No secondary tier: the scheduler's calls, each doing nothing.
-
-    The interface a secondary tier offers the scheduler, with
-    :class:`TierCascade` the real one.
-    """
-
-    stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)
-
-    def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
-        """``copies_in_flight()``: whether the CPU tier's own loads or stores hold CPU
-        blocks that they release when they end."""
-
-    def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
-        """Blocks were just published in the CPU tier (write-through)."""
-
-    def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
-        """Blocks the workers found from before a restart; ranks done looking."""
-
-    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
-               max_blocks: int | None = None) -> bool:
-        """After a CPU hit ``hit``: True when the request must ask again later.
-        ``max_blocks``: promote at most that many CPU blocks (a prefetch's budget)."""
-        return False
-
-    def held_for(self, req_id: str, promoting_only: bool = False) -> int:
-        """CPU blocks promoted (unless ``promoting_only``), or being promoted, for the
-        request and kept for it."""
-        return 0
-
-    def release_promoted(self, req_id: str) -> None:
-        """Drop the pins kept on blocks promoted for the request (it pinned its hit)."""
-
-    def request_finished(self, req_id: str) -> None:
-        """Forget the request; a promotion in flight completes without it."""
-
-    def take_jobs(self) -> TierJobs:
-        """This step's jobs for the workers."""
-        return NO_TIER_JOBS
-
-    def on_reports(self, reports: dict[int, JobReport]) -> None:
-        """Job reports from the workers, summed over ranks."""
-
-    def reset(self) -> None:
-        """Forget every entry; jobs in flight finish but are not published."""
-
-    def has_pending(self) -> bool:
-        return False
-
-
-@dataclass
-class _TierJob:
-    promote: bool
-    keys: list[BlockKey]
-    blocks: list[KVCacheBlock]
-    hashes: list[Any]
-    req_id: str | None = None
-    failed: set[BlockKey] = field(default_factory=set)
-    abandoned: bool = False
-    # A staged hit's round (tiers/staged.py): takes the blocks and how many read.
-    on_done: Callable[[list[KVCacheBlock], int], None] | None = None
-
-
-@dataclass
-class TierStep:
-    """The jobs of one kind sent in one step: they share one id and one tally."""
-
-    kind: str  # "spill", "promote", or a subclass's own kind (a shared tier's "probe")
-    jobs: list[Any]
+__all__ = ["MAX_ROOM_WAIT_S", "NullCascade", "TierCascade", "TierStep"]
 
 
 def _no_copies() -> bool:
@@ -133,43 +57,27 @@ def _blocks(hit: Hit) -> list[KVCacheBlock]:
     return [b for group in hit for b in group if not b.is_null]
 
 
-class TierCascade(NullCascade):
+class TierCascade(SpillCascade):
     stages = True  # not a shared tier: it answers existence asynchronously
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, rebuild: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``rebuild``: the workers report blocks kept from before a restart."""
+        super().__init__(index, cpu, world_size, stats, rebuild)
         self._clock = clock
         self._room_wait_since: dict[str, float] = {}
-        self.index = index
-        self.rebuild = IndexRebuild(index, world_size) if rebuild else None
-        self.cpu = cpu
-        self.world_size = world_size
-        self.stats = stats
-        self._queued: list[_TierJob] = []
-        self._sent: JobBook[TierStep] = JobBook(world_size)
-        self._promoting: dict[str, _TierJob] = {}
+        self._promoting: dict[str, TierJob] = {}
         self._promoted: dict[str, list[KVCacheBlock]] = {}
         self._no_promotion: set[str] = set()
         self._keys_promoting: set[BlockKey] = set()  # one promotion per key at a time
         self._copies_in_flight: Callable[[], bool] = _no_copies
         self._max_blocks: int | None = None  # during a lookup with a budget
+        self._suspended = False  # see suspend_promotions
         self.groups = GroupKeys.of(cpu)
 
     def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
         self._copies_in_flight = copies_in_flight
-
-    # --------------------------------------------------------------- spill
-    def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
-        keys = [h.hex() for h in hashes]
-        accepted = set(self.index.reserve(keys))
-        chosen = [(k, b, h) for k, b, h in zip(keys, blocks, hashes) if k in accepted]
-        if not chosen:
-            return
-        keys, blocks, hashes = map(list, zip(*chosen))
-        self.cpu.pin(blocks)  # read by the tier until every rank wrote it
-        self._queued.append(_TierJob(False, keys, blocks, hashes))
 
     # ----------------------------------------------------------- promotion
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
@@ -190,6 +98,16 @@ class TierCascade(NullCascade):
             self._max_blocks = None
             self.cpu.unpin_hit(hit)
 
+    def suspend_promotions(self, suspended: bool) -> None:
+        """While a staged hit finds no free CPU block, other requests' promotions wait,
+        and the blocks kept for requests not looked up again are let go: vLLM cannot
+        admit those while staged hits hold the device, and they would keep the CPU room
+        the staged hits need for ever. The blocks stay cached until evicted."""
+        if suspended and not self._suspended:
+            for req_id in list(self._promoted):
+                self.release_promoted(req_id)
+        self._suspended = suspended
+
     def held_for(self, req_id: str, promoting_only: bool = False) -> int:
         job = self._promoting.get(req_id)
         held = 0 if promoting_only else len(self._promoted.get(req_id, ()))
@@ -197,12 +115,12 @@ class TierCascade(NullCascade):
 
     def queue_promotion(self, keys: list[BlockKey], hashes: list[Any], req_id: str | None,
                         on_done: Callable[[list[KVCacheBlock], int], None] | None = None,
-                        ) -> _TierJob:
+                        ) -> TierJob:
         """Promote ``keys`` (at most :meth:`room`) into fresh CPU blocks, for request
         ``req_id``, or for a staged hit: then once every rank read them, the blocks that
         read are published and ``on_done(blocks, n_ok)`` owns every block, still pinned."""
         self.index.pin(keys)
-        job = _TierJob(True, keys, self.cpu.allocate(len(keys)), hashes, req_id, on_done=on_done)
+        job = TierJob(True, keys, self.cpu.allocate(len(keys)), hashes, req_id, on_done=on_done)
         self._queued.append(job)
         self._keys_promoting.update(keys)
         return job
@@ -222,6 +140,9 @@ class TierCascade(NullCascade):
         if req_id in self._no_promotion:
             return False
         positions = request.block_hashes[first_block:end_block]
+        if self._suspended:  # a staged hit takes the room first; wait, holding nothing
+            return bool(self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
+                                         len(self.groups.groups)))
         # Blocks of the run already in the CPU tier stay there while room is made.
         held = self.cpu.cached(h for bh in positions for _, h in self.groups.at(bh))
         self.cpu.pin(held)
@@ -273,13 +194,6 @@ class TierCascade(NullCascade):
         self._promoted[req_id] = own  # released by its next lookup, as promoted blocks are
         return True
 
-    def _spills(self) -> Iterator[_TierJob]:
-        """Spill jobs queued or in flight: each keeps its CPU blocks until it ends."""
-        yield from (j for j in self._queued if not j.promote)
-        for step in self._sent.payloads():
-            if step.kind == "spill":
-                yield from step.jobs
-
     def release_promoted(self, req_id: str) -> None:
         """Drop the pins kept on promoted blocks once the request looked them up again."""
         blocks = self._promoted.pop(req_id, None)
@@ -294,43 +208,7 @@ class TierCascade(NullCascade):
         if job is not None:
             job.req_id = None  # completes normally, but nobody keeps the blocks
 
-    # ---------------------------------------------------------- per step
-    def take_jobs(self) -> TierJobs:
-        spill, promote = (self._take(promote) for promote in (False, True))
-        self._queued.clear()
-        return TierJobs(spill, promote, tuple(self.index.take_evicted()))
-
-    def _take(self, promote: bool) -> TierJobSpec | None:
-        jobs = [j for j in self._queued if j.promote == promote]
-        if not jobs:
-            return None
-        job_id = self._sent.send(TierStep("promote" if promote else "spill", jobs))
-        return TierJobSpec(job_id, [(k, b.block_id) for j in jobs
-                                    for k, b in zip(j.keys, j.blocks)])
-
-    def on_reports(self, reports: dict[int, JobReport]) -> None:
-        for job_id, report in reports.items():
-            done = self._sent.report(job_id, report)
-            if done is not None:
-                self._on_done(done.payload, done.tally)
-
-    def _on_done(self, step: TierStep, tally: RankTally) -> None:
-        """Every rank reported the step's jobs; a key failed if it failed on any rank."""
-        for job in step.jobs:
-            job.failed.update(tally.failed_keys.intersection(job.keys))
-            (self._finish_promotion if job.promote else self._finish_spill)(job)
-
-    def _finish_spill(self, job: _TierJob) -> None:
-        ok = [k for k in job.keys if k not in job.failed]
-        if job.abandoned:
-            self.index.drop(job.keys)
-        else:
-            self.index.commit(ok)
-            self.index.drop(job.failed)
-            self._record_moved(len(ok), 0)
-        self.cpu.unpin(job.blocks)
-
-    def _finish_promotion(self, job: _TierJob) -> None:
+    def _finish_promotion(self, job: TierJob) -> None:
         self._keys_promoting.difference_update(job.keys)
         self.index.unpin(job.keys)
         self.index.drop(job.failed)
@@ -350,9 +228,6 @@ class TierCascade(NullCascade):
             self.cpu.unpin(job.blocks[n_ok:])
         else:
             self.cpu.unpin(job.blocks)
-
-    def _record_moved(self, spilled: int, promoted: int) -> None:
-        self.stats.record_disk(spilled=spilled, promoted=promoted)
 
     # --------------------------------------------------------------- misc
     def reset(self) -> None:
@@ -374,12 +249,3 @@ class TierCascade(NullCascade):
                 self.cpu.unpin(job.blocks)
         self._queued.clear()
         self.index.reset()
-
-    def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
-        if self.rebuild is not None:
-            self.rebuild.on_found(keys, ranks_done)
-
-    def has_pending(self) -> bool:
-        # A restarted tier's index fills while the engine steps, idle or not.
-        return bool(self._queued or len(self._sent)
-                    or (self.rebuild is not None and self.rebuild.pending))

@@ -94,17 +94,22 @@ class _Staged:
         self.failed_at = position if self.failed_at is None else min(self.failed_at, position)
 
 
+WAIT = "wait"  # _plan_run: the request asks again later
+
+
 def _plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[KVCacheBlock],
-              entries: Iterator[tuple[str, Any]], now: float) -> _Staged | None:
+              entries: Iterator[tuple[str, Any]], block_size: int,
+              now: float) -> _Staged | str | None:
     """The run of the tier's blocks after the hit, when it is longer than the room a
-    promotion has (else a promotion serves it whole, or there is nothing to get)."""
+    promotion has (else a promotion serves it whole, or there is nothing to get), or
+    :data:`WAIT`."""
     if cascade.held_for(req_id, promoting_only=True):
         return None  # its promotion (a prefetch) is in flight: the cascade waits for it
     held: list[tuple[int, KVCacheBlock]] = list(enumerate(hit_blocks))
     tier: list[tuple[int, str, Any]] = []
     for pos, (key, block_hash) in enumerate(entries, start=len(hit_blocks)):
         if cascade.is_promoting(key):
-            break  # another request's promotion brings it: the cascade waits for it
+            return WAIT  # another request's promotion brings it: the request waits
         cached = cpu.cached([block_hash])
         if cached:
             held.append((pos, cached[0]))
@@ -115,8 +120,10 @@ def _plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[
     # The room a promotion has once the CPU blocks of the hit and run are pinned.
     if len(tier) <= cascade.room() - sum(1 for _, b in held if b.ref_cnt == 0):
         return None
-    last = tier[-1][0]
-    return _Staged(req_id, [x for x in held if x[0] < last], tier, 0, 0, now)
+    # Every position of the run, the CPU blocks after its last tier block too: vLLM asks
+    # for a request's external tokens once.
+    last = max(tier[-1][0], held[-1][0] if held else 0)
+    return _Staged(req_id, held, tier, (last + 1) * block_size, 0, now)
 
 
 @dataclass
@@ -173,10 +180,11 @@ class StagedHits:
             return None
         entries = (self.cascade.groups.at(bh)[0] for bh in positions)
         staged = _plan_run(self.cascade, self.cpu, request.request_id, hit_blocks, entries,
-                           self._clock())
+                           bs, self._clock())
+        if staged is WAIT:
+            return None
         if staged is None:
             return 0
-        staged.num_tokens = (staged.tier[-1][0] + 1) * bs
         staged.num_computed_tokens = num_computed_tokens
         self.cpu.pin([b for _, b in staged.cpu])
         self._busy.update(b.block_id for _, b in staged.cpu)
@@ -233,17 +241,27 @@ class StagedHits:
             for key in staged.keys:
                 self._owners.pop(key, None)
         self._landed.clear()
+        starving = False
         for staged in list(self._active.values()):
             if staged.final_sent:
                 continue
             if staged.ready and not (staged.stops() and not staged.promoting):
                 self._send_round(staged)
             if not staged.stops() and not staged.promoting:
-                self._promote_next(staged)
+                starving |= not self._promote_next(staged)
             if staged.stops() and not staged.promoting and not staged.rounds:
                 self._send_final(staged)
+        if self.enabled:
+            self.cascade.suspend_promotions(starving)
 
-    def _promote_next(self, staged: _Staged) -> None:
+    def release_unallocated(self) -> None:
+        """Hits offered this step whose request vLLM could not allocate (it looks the
+        request up again): as LoadJobs.release_unallocated."""
+        for req_id in list(self._pending):
+            self.release_pending(req_id)
+
+    def _promote_next(self, staged: _Staged) -> bool:
+        """Queue the next promotion of the run; False when no CPU block is free."""
         n = min(self.cascade.room(), len(staged.tier) - staged.next)
         now = self._clock()
         if n <= 0:
@@ -252,7 +270,7 @@ class StagedHits:
                          "block for %.0f s; the rest of its prompt is recomputed",
                          MAX_STAGE_WAIT_S)
                 staged.fail_from(staged.tier[staged.next][0])
-            return
+            return False
         part = staged.tier[staged.next:staged.next + n]
         staged.next += n
         staged.promoting = True
@@ -260,6 +278,7 @@ class StagedHits:
         self.cascade.queue_promotion([k for _, k, _ in part], [h for _, _, h in part], None,
                                      lambda blocks, n_ok: self._promoted(staged, part, blocks,
                                                                          n_ok))
+        return True
 
     def _promoted(self, staged: _Staged, part: list[tuple[int, str, Any]],
                   blocks: list[KVCacheBlock], n_ok: int) -> None:
@@ -320,10 +339,7 @@ class StagedHits:
 
     def _release(self, cpu_blocks: list[KVCacheBlock], ok: bool) -> None:
         ids = [b.block_id for b in cpu_blocks]
-        if ok:
-            self.cpu.record_load(ids)
-        else:
-            self.cpu.drop(ids)  # a retry would fail the same way
+        (self.cpu.record_load if ok else self.cpu.drop)(ids)  # a failed copy: not offered
         self.cpu.unpin(cpu_blocks)
         self._busy.subtract(ids)
         self._busy = +self._busy

@@ -230,3 +230,33 @@ def test_a_prefetched_request_with_a_long_hit_is_still_served_whole(make_engine,
     assert engine.cached_tokens["again"] == DOC_BLOCKS * BS
     assert engine.offload.totals.data.get("staged_hits", 0) == 1
     engine.assert_idle()
+
+
+def test_landed_loads_behind_a_request_the_device_cannot_take_are_picked_up(make_engine,
+                                                                           tmp_path):
+    """vLLM < 0.32 stops its scan of the waiting queue at the first request it cannot
+    allocate. Queued requests whose disk hits are promoted ask again later; those behind
+    them, with no CPU room left, are staged and take the device. Once the promoted ones
+    need device blocks, the staged ones (done, holding them) must still be picked up:
+    without that, 0.23 stalled here for ever (0.32 drains block holders first)."""
+    from support.prefetch_rig import forget_caches, slow_reads
+
+    docs = [_doc(10 + i)[:-1] * 2 for i in range(32)]  # 32 documents of 40 blocks
+    engine = make_engine(cpu_blocks=512, num_gpu_blocks=4 * 44 + 64, max_num_seqs=4,
+                         max_num_batched_tokens=2048, extra_config={
+                             "disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 2048 * PAGE})
+    for i, doc in enumerate(docs):
+        engine.add(f"first-{i}", doc + [1], max_tokens=1)
+        if i % 4 == 3:
+            engine.run_until_done()
+            engine.drain()
+    forget_caches(engine)
+    slow_reads(engine.worker.worker.tier, 0.0005)
+    for i, doc in enumerate(docs):
+        engine.add(f"q-{i}", doc + [2], max_tokens=4)
+    engine.run_until_done(max_steps=3000)
+    engine.drain()
+    assert engine.offload.totals.data.get("staged_hits", 0) > 0
+    short = {i: engine.cached_tokens[f"q-{i}"] for i in range(len(docs)) if engine.cached_tokens[f"q-{i}"] != len(docs[i])}
+    assert not short, (short, engine.offload.totals.data)
+    engine.assert_idle()
