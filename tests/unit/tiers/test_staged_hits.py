@@ -257,6 +257,7 @@ def test_landed_loads_behind_a_request_the_device_cannot_take_are_picked_up(make
     engine.run_until_done(max_steps=3000)
     engine.drain()
     assert engine.offload.totals.data.get("staged_hits", 0) > 0
-    short = {i: engine.cached_tokens[f"q-{i}"] for i in range(len(docs)) if engine.cached_tokens[f"q-{i}"] != len(docs[i])}
+    cached = {i: engine.cached_tokens[f"q-{i}"] for i in range(len(docs))}
+    short = {i: n for i, n in cached.items() if n != len(docs[i])}  # every block came back
     assert not short, (short, engine.offload.totals.data)
     engine.assert_idle()
