@@ -134,27 +134,29 @@ class AdaptiveEviction(Eviction):
         self._to_head = HeadPlacements()
 
     def on_loaded(self, blocks: Sequence[KVCacheBlock]) -> None:
-        super().on_loaded(blocks)
+        if self.trace is not None:
+            super().on_loaded(blocks)
         classes, duel = self._classes, self.duel
-        below, first_max = duel.sample_below, duel.sample_first_byte_max
+        sampled = duel.sample_below_hash
         for b in blocks:
             i = b.block_id
             # next_class, inline: this runs for every block loaded.
             classes[i] = USED_UP if classes[i] >= REUSED else REUSED
             # A hit: not the history's to say (the block may have outlived its entry).
-            key = b.block_hash
-            if key[0] <= first_max and (key[0] << 8 | key[1]) < below:
-                duel.access(hash_number(key), True)
+            if b.block_hash < sampled:
+                duel.access(hash_number(b.block_hash), True)
 
     def on_stored(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[Any]) -> None:
-        super().on_stored(blocks, hashes)
-        classes, duel = self._classes, self.duel
-        below, first_max = duel.sample_below, duel.sample_first_byte_max
-        for block, key, seen in zip(blocks, hashes, self.history.see_all(hashes)):
-            # Its class starts here (a block's class is read only once it has a hash).
-            classes[block.block_id] = RETURNED if seen else FRESH
-            if key[0] <= first_max and (key[0] << 8 | key[1]) < below:
-                duel.access(hash_number(key), seen)
+        if self.trace is not None:
+            super().on_stored(blocks, hashes)
+        classes, sampled = self._classes, self.duel.sample_below_hash
+        seen = self.history.see_all(hashes)
+        # Its class starts here (a block's class is read only once it has a hash):
+        # RETURNED (1) if the history has seen the hash, FRESH (0) if not.
+        for block, key, returned in zip(blocks, hashes, seen):
+            classes[block.block_id] = returned
+            if key < sampled:
+                self.duel.access(hash_number(key), returned)
 
     def on_dropped(self, block_ids: Iterable[int]) -> None:
         classes = self._classes

@@ -120,7 +120,9 @@ class Shadow:
         self._placements = insertion[1:]  # by block class
         self._fingerprints = [bytearray() for _ in range(num_sets)]
         self._classes = [bytearray() for _ in range(num_sets)]
-        self._to_head = HeadPlacements()
+        # Per class: 0 tail, 1 head, 2 head-bimodal; and the head placements so far.
+        self._codes = bytes((TAIL, HEAD, HEAD_BIMODAL).index(p) for p in self._placements)
+        self._heads = 0
 
     @property
     def nbytes(self) -> int:
@@ -142,15 +144,20 @@ class Shadow:
         else:
             self.hits += 1
             at //= _PRINT
-            block_class = next_class(classes[at])
+            # next_class, inline
+            block_class = USED_UP if classes[at] >= REUSED else REUSED
             del prints[_PRINT * at:_PRINT * at + _PRINT]
             del classes[at]
-        if self._to_head(self._placements[block_class]):
-            prints[0:0] = fingerprint
-            classes.insert(0, block_class)
-        else:
-            prints += fingerprint
-            classes.append(block_class)
+        # HeadPlacements, inline: 0 tail, 1 head, 2 head but one in BIMODAL_EVERY.
+        code = self._codes[block_class]
+        if code:
+            self._heads += 1
+            if code == 1 or self._heads % BIMODAL_EVERY:
+                prints[0:0] = fingerprint
+                classes.insert(0, block_class)
+                return
+        prints += fingerprint
+        classes.append(block_class)
 
 
 class Duel:
@@ -170,6 +177,9 @@ class Duel:
         self.sample_below = max(1, min(1 << 16, round((1 << 16) * wanted / max(1, num_blocks))))
         #: The largest first byte of a sampled hash (most hashes are ruled out by it).
         self.sample_first_byte_max = (self.sample_below - 1) >> 8
+        #: The same test as one comparison of bytes: a hash (2 bytes or more) is
+        #: sampled if it sorts before this (sample_below is at most 2**16 / SAMPLE_EVERY).
+        self.sample_below_hash = min(self.sample_below, 0xFFFF).to_bytes(2, "big")
         #: Keys per shadow: the tier's size times the fraction of hashes sampled.
         self.capacity = max(1, round(num_blocks * self.sample_below / (1 << 16)))
         self.num_sets = max(1, -(-self.capacity // WAYS))

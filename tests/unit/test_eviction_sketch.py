@@ -11,7 +11,14 @@ import tracemalloc
 
 import pytest
 
-from kvoffload_hal.scheduler.eviction import CANDIDATES, AdaptiveEviction, RecentHashes
+from kvoffload_hal.scheduler.eviction import (
+    CANDIDATES,
+    FRESH,
+    RETURNED,
+    AdaptiveEviction,
+    Duel,
+    RecentHashes,
+)
 from kvoffload_hal.scheduler.eviction_sketch import GENERATIONS, HEADROOM
 
 
@@ -115,3 +122,21 @@ def test_the_policy_memory_does_not_grow_with_accesses():
         tracemalloc.stop()
     assert last <= 32 * num_blocks  # class 1 + sketch 27 + shadows 2.5 bytes per block
     assert abs(last - first) <= 0.01 * first
+
+
+@pytest.mark.parametrize("num_blocks", [1, 7, 100, 8192, 10_000, 100_000, 4_000_000])
+def test_the_sampled_hashes_are_those_below_the_sampling_bound(num_blocks):
+    # The hot paths compare a hash with ``sample_below_hash`` (bytes order); the
+    # rule is its first two bytes, big-endian, below ``sample_below``.
+    duel = Duel(CANDIDATES, num_blocks)
+    for first in range(256):
+        for second in (0, 1, 0x7F, 0xFF):
+            for rest in (b"\x00", b"\xff" * 35):
+                key = bytes((first, second)) + rest
+                assert (key < duel.sample_below_hash) == (
+                    (first << 8 | second) < duel.sample_below), (key, duel.sample_below)
+
+
+def test_a_stored_block_s_class_is_whether_the_history_saw_its_hash():
+    # on_stored writes the sketch's answer (a bool) as the class.
+    assert (FRESH, RETURNED) == (False, True)
