@@ -88,13 +88,15 @@ class OffloadScheduler:
                               recovery=self._say_load_recovery())
         self.staged = StagedHits(self.cascade, self.cpu, self.stats, self.world_size,
                                  block_size, self.loads.job_ids,
-                                 enabled=self.caps.load_recovery != "retry")
+                                 enabled=self.caps.load_recovery != "retry",
+                                 note_wait=self.loads.note_wait)
         self.cascade.bind_copies(self._copies_in_flight)
         self.prefetch = build_prefetcher(config, self.caps.secondary_tier, self.cpu,
                                          self.cascade, block_size, self.stats)
         self.gpu_pool: BlockPool | None = None
         # Requests answered with an asynchronous load, and those whose load landed
         # (vLLM < 0.32: see _lets_landed_loads_in).
+        self._track_landed = not vllm_compat.block_holders_first()
         self._async_loads: dict[str, Request] = {}
         self._landed_loads: dict[str, Request] = {}
         logger.info(
@@ -162,7 +164,7 @@ class OffloadScheduler:
             if staged is None:
                 return None, False  # a staged hit brings these blocks: ask again later
             if staged:
-                self._async_loads[req_id] = request
+                self._note_async(request)
                 return staged, True  # longer than the CPU tier's room: loaded in rounds
             if self.cascade.lookup(
                     request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
@@ -172,18 +174,20 @@ class OffloadScheduler:
             return 0, False
         self.loads.hold_hit(req_id, hit, num_computed_tokens)
         if not self.caps.sync_loads:
-            self._async_loads[req_id] = request
+            self._note_async(request)
         return hit_tokens, not self.caps.sync_loads
+
+    def _note_async(self, request: Request) -> None:
+        if self._track_landed:  # see _lets_landed_loads_in
+            self._async_loads[request.request_id] = request
 
     def _lets_landed_loads_in(self) -> bool:
         """Whether a request whose asynchronous load landed still waits for vLLM to
         pick it up, where vLLM (< 0.32) stops scanning its waiting queue at the first
         request it cannot allocate: every other lookup then asks again later, so the
         scan reaches it. Otherwise a request ahead of it that needs the device blocks
-        it holds would stop the scan before it, every step."""
-        if vllm_compat.block_holders_first():
-            self._landed_loads.clear()
-            return False
+        it holds would stop the scan before it, every step. (vLLM 0.32 scans requests
+        holding blocks first: nothing is tracked there.)"""
         for req_id, request in list(self._landed_loads.items()):
             if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self._landed_loads[req_id]

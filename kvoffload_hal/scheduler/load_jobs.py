@@ -119,10 +119,14 @@ class LoadJobs:
         if not busy or not any(b.block_id in busy for group in hit for b in group
                                if not b.is_null):
             return False
+        self.note_wait(req_id)
+        return True
+
+    def note_wait(self, req_id: str) -> None:
+        """The request waits for another request's copy of its blocks (counted once)."""
         if req_id not in self._waiting:
             self._waiting.add(req_id)
             self.stats.record_shared_load_wait()
-        return True
 
     # --------------------------------------------------------------- hits
     def hold_hit(self, req_id: str, hit: Hit, num_computed_tokens: int) -> None:

@@ -142,8 +142,10 @@ class StagedHits:
 
     def __init__(self, cascade: TierCascade, cpu: CpuTier, stats: StatsLedger,
                  world_size: int, block_size: int, job_ids: Iterator[int], enabled: bool,
+                 note_wait: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``job_ids``: the load jobs' id sequence (rounds are loads, in one line)."""
+        """``job_ids``, ``note_wait``: LoadJobs' id sequence (rounds are loads) and counter."""
+        self.note_wait = note_wait
         self.cascade = cascade
         self.cpu = cpu
         self.stats = stats
@@ -176,7 +178,7 @@ class StagedHits:
         hit_blocks = hit[0] if hit else []
         if (self._owners and any(k in self._owners for k in self.cascade.groups.keys(positions))
                 ) or (self._busy and any(b.block_id in self._busy for b in hit_blocks)):
-            self.stats.record_shared_load_wait()
+            self.note_wait(request.request_id)
             return None
         entries = (self.cascade.groups.at(bh)[0] for bh in positions)
         staged = _plan_run(self.cascade, self.cpu, request.request_id, hit_blocks, entries,

@@ -5,9 +5,10 @@ checks every KV read, so a block loaded into the wrong place, or read before it
 landed, fails the test unless it was reported as a failed load.
 """
 
-import os
 import threading
 import time
+
+from support.disk_files import flip_a_byte_of_every_block
 
 BS = 16
 PAGE = BS * 128  # one harness block: 16 tokens x 128 bytes of K and V
@@ -95,6 +96,7 @@ def test_a_second_request_on_a_staged_hit_waits_and_copies_nothing(make_engine, 
     assert _delta(engine, before, "staged_hits") == 1
     # One copy of each block: the second request took the device prefix-cache hit.
     assert _delta(engine, before, "blocks_loaded") == DOC_BLOCKS
+    assert _delta(engine, before, "shared_load_waits") == 1  # a request, not a step
     assert _delta(engine, before, "blocks_from_disk") <= DOC_BLOCKS
     engine.assert_idle()
 
@@ -123,13 +125,7 @@ def test_a_corrupted_block_ends_the_hit_there(make_engine, tmp_path):
     doc = _doc(1)
     _on_disk_only(engine, doc)
     root = engine.worker.worker.tier.root
-    for dirpath, _, files in os.walk(root):
-        for name in (n for n in files if n.endswith(".kvb")):  # flip a byte of every block
-            with open(os.path.join(dirpath, name), "r+b") as f:
-                f.seek(100)
-                byte = f.read(1)
-                f.seek(100)
-                f.write(bytes([byte[0] ^ 0x01]))
+    flip_a_byte_of_every_block(root)
     before = dict(engine.offload.totals.data)
     _serve(engine, ("again", doc))
     # Recomputed from the first corrupted block on: the model saw only correct KV.
