@@ -5,21 +5,14 @@ import logging
 import pytest
 
 from kvoffload_hal.tiers.breaker import BreakerState, CircuitBreaker
+from support.clock import FakeClock
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def breaker():
-    clock = Clock()
+    clock = FakeClock(50.0)
     moves = []
     b = CircuitBreaker("test tier", probe_timeout_s=5.0,
                        on_transition=lambda old, new: moves.append((old, new)),

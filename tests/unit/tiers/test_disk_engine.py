@@ -7,6 +7,8 @@ import os
 import random
 import threading
 
+from support.disk_files import flip_a_byte_of_every_block
+
 BS = 16
 PAGE = BS * 128  # one harness block: 16 tokens x 128 bytes of K and V
 
@@ -80,13 +82,7 @@ def test_corrupted_disk_blocks_are_recomputed(make_engine, tmp_path):
         engine.run_until_done()
         engine.drain()
     root = engine.worker.worker.tier.root
-    for dirpath, _, files in os.walk(root):
-        for name in (n for n in files if n.endswith(".kvb")):  # flip a byte of every block
-            with open(os.path.join(dirpath, name), "r+b") as f:
-                f.seek(100)
-                byte = f.read(1)
-                f.seek(100)
-                f.write(bytes([byte[0] ^ 0x01]))
+    flip_a_byte_of_every_block(root)
     for i, d in enumerate(docs):
         engine.add(f"b{i}", d + [7])
         engine.run_until_done()

@@ -7,23 +7,16 @@ from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
 from kvoffload_hal.tiers.breaker import BreakerState
 from kvoffload_hal.tiers.scheduler_shared import SharedTierCascade, SharedTierIndex
+from support.clock import FakeClock
 
 BS = 16
 TIMEOUT_S = 5.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def shared(make_engine):
     engine = make_engine(cpu_blocks=16)
-    clock = Clock()
+    clock = FakeClock()
     tiers = SharedTierCascade(SharedTierIndex(64), engine.offload.cpu, world_size=2,
                               stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=clock)
     return engine, tiers, clock

@@ -7,23 +7,16 @@ import pytest
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
 from kvoffload_hal.tiers.scheduler_shared import SharedTierCascade, SharedTierIndex
+from support.clock import FakeClock
 
 BS = 16
 TIMEOUT_S = 5.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def shared(make_engine):
     engine = make_engine(cpu_blocks=8)
-    clock = Clock()
+    clock = FakeClock()
     tiers = SharedTierCascade(SharedTierIndex(64), engine.offload.cpu, world_size=2,
                               stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=clock)
     return engine, engine.offload.cpu, tiers, clock
@@ -68,7 +61,7 @@ def test_a_key_any_rank_misses_is_never_learned_whatever_order_the_ranks_report_
         make_engine, order):
     engine = make_engine(cpu_blocks=8)
     tiers = SharedTierCascade(SharedTierIndex(64), engine.offload.cpu, world_size=3,
-                              stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=Clock())
+                              stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=FakeClock())
     req = _request(engine, 4)
     keys = _keys(req, 4)
     assert tiers.lookup(req, (), 0, 4) is True
