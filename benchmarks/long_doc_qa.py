@@ -75,7 +75,7 @@ from kvoffload_hal.demo.inprocess import (
     set_inprocess_env,
 )
 from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
-from kvoffload_hal.scheduler.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, eviction_names
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 MODEL_DIR = os.path.expanduser("~/.cache/kvoffload_hal/long_doc_qa_llama")
@@ -260,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS),
                         choices=(*CONFIGS, *EXTRA_CONFIGS))
     parser.add_argument("--eviction", nargs="+", default=[DEFAULT_EVICTION],
-                        choices=EVICTION_POLICIES,
+                        choices=eviction_names(),
                         help=f"CPU-tier eviction of {OFFLOAD}, one run each (the first is "
                              "the one compared in the main table)")
     parser.add_argument("--disk", action="store_true",

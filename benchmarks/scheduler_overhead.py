@@ -61,7 +61,7 @@ from scheduler_overhead_report import (
 
 from kvoffload_hal.demo.inprocess import set_inprocess_env
 from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
-from kvoffload_hal.scheduler.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, eviction_names
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 MODEL_DIR = os.path.expanduser("~/.cache/kvoffload_hal/scheduler_bench_llama")
@@ -260,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=150, help="measured steps per point")
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
+    parser.add_argument("--eviction", choices=eviction_names(), default=DEFAULT_EVICTION,
                         help="the CPU tier's eviction policy (ours)")
     parser.add_argument("--compare-eviction", action="store_true",
                         help="also run ours with every other eviction policy, alternating")
@@ -300,7 +300,7 @@ def measure(args: argparse.Namespace, model: str) -> tuple[list[Point], list[Poi
     ``--compare-eviction``)."""
     variants = [(name, args.eviction) for name in CONNECTORS]
     if args.compare_eviction:
-        variants += [(OURS, e) for e in EVICTION_POLICIES if e != args.eviction]
+        variants += [(OURS, e) for e in eviction_names() if e != args.eviction]
     points, by_eviction = [], []
     for nb in args.cpu_blocks:
         for live in args.requests:
@@ -334,7 +334,7 @@ def main_memory(args: argparse.Namespace) -> None:
 
     sizes = [10_000] if args.quick else args.memory_blocks
     repeats = 1 if args.quick else args.repeats
-    rows = measure_memory(sizes, list(EVICTION_POLICIES), args.steady_tiers, args.trace, repeats)
+    rows = measure_memory(sizes, list(eviction_names()), args.steady_tiers, args.trace, repeats)
     table = format_memory_table(rows)
     print(table)
     if args.quick:

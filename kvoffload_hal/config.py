@@ -59,9 +59,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload_hal.config_values import boolean, count, one_of, positive_int, share
+from kvoffload_hal.config_values import (
+    boolean,
+    count,
+    one_of,
+    positive_int,
+    share,
+    whole_blocks,
+)
+from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, eviction_names
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.scheduler.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from kvoffload_hal.tiers.registry import parse_tier, tier_keys
 from kvoffload_hal.tiers.spec import CapacityClaim, TierSpec
 
@@ -113,7 +120,7 @@ class OffloadConfig:
             load_mode=one_of("load_mode", extra.get("load_mode", "auto"), LOAD_MODES),
             allow_overcommit=boolean("allow_overcommit", extra.get("allow_overcommit", False)),
             eviction=one_of("eviction", extra.get("eviction", DEFAULT_EVICTION),
-                            EVICTION_POLICIES),
+                            eviction_names()),
             prefetch_requests=count("prefetch_requests", extra.get(
                 "prefetch_requests", DEFAULT_PREFETCH_REQUESTS), "requests"),
             prefetch_cpu_share=share("prefetch_cpu_share", extra.get(
@@ -191,10 +198,4 @@ def num_cpu_blocks(kv_cache_config, cpu_bytes_per_rank: int) -> int:
 
 
 def num_blocks_for(key: str, kv_cache_config, bytes_per_rank: int) -> int:
-    per_block = device_bytes_per_block(kv_cache_config)
-    if bytes_per_rank < per_block:
-        raise ValueError(
-            f"kv_connector_extra_config['{key}'] gives {bytes_per_rank} bytes per rank, less "
-            f"than one KV block ({per_block} bytes); expected at least {per_block} bytes per rank"
-        )
-    return bytes_per_rank // per_block
+    return whole_blocks(key, bytes_per_rank, device_bytes_per_block(kv_cache_config))

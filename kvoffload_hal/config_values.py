@@ -57,3 +57,13 @@ def share(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"{where(key, value)}: expected a number > 0 and <= 1")
     return float(value)
+
+
+def whole_blocks(key: str, bytes_per_rank: int, block_bytes: int) -> int:
+    """Whole blocks of ``block_bytes`` in ``bytes_per_rank``; at least one."""
+    if bytes_per_rank < block_bytes:
+        raise ValueError(
+            f"kv_connector_extra_config['{key}'] gives {bytes_per_rank} bytes per rank, less "
+            f"than one KV block ({block_bytes} bytes); expected at least {block_bytes} "
+            "bytes per rank")
+    return bytes_per_rank // block_bytes

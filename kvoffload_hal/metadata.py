@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvoffload_hal.tiers.worker_tier import BlockKey, TierItem
+from kvoffload_hal.tiers.spec import BlockKey, TierItem
 
 
 class LoadSpec(NamedTuple):
@@ -39,7 +39,7 @@ class LoadSpec(NamedTuple):
     cpu_blocks: list[int]
     gpu_blocks: list[int]
     sync: bool = False
-    # A round of a staged hit (tiers/staged.py, one request): ``final`` is the
+    # A round of a staged hit (scheduler/cascade/staged.py, one request): ``final`` is the
     # request's asynchronous load, reported in finished_recving once it and every
     # earlier round of the request landed, failed if any of them failed or
     # ``failed_gpu_blocks`` (blocks no round filled) is not empty; an earlier round

@@ -33,27 +33,38 @@ COUNTERS: dict[str, str] = {
     "store_seconds": "Time spent in device->CPU copies",
     "load_seconds": "Time spent in CPU->device copies",
     "failed_jobs": "Copy jobs that failed (their blocks are recomputed, never used)",
-    "blocks_to_disk": "KV blocks written from the CPU tier to the disk tier",
-    "blocks_from_disk": "KV blocks promoted from the disk tier to the CPU tier",
-    "blocks_to_mooncake": "KV blocks written from the CPU tier to the Mooncake store",
-    "blocks_from_mooncake": "KV blocks promoted from the Mooncake store to the CPU tier",
     "blocks_prefetched": "KV blocks queued for promotion from a secondary tier into the CPU "
                          "tier for a waiting request before vLLM's scheduler looked it up",
-    "mooncake_timeouts": "Mooncake queries or reads a request stopped waiting for (recomputed)",
-    "mooncake_failed_blocks": "Mooncake blocks that failed to write or read (missing, evicted, "
-                              "corrupted, unreachable): recomputed, never used",
-    "mooncake_breaker_opens": "Times the Mooncake tier's circuit breaker opened after being "
-                              "closed (the tier skipped; opens - closes is 1 while it is "
-                              "open or probing)",
-    "mooncake_breaker_reopens": "Probes of the Mooncake tier that failed: skipped again, for a "
-                                "longer window",
-    "mooncake_breaker_closes": "Times the Mooncake tier's circuit breaker closed (the tier "
-                               "answered again)",
-    "mooncake_breaker_skips": "Lookups answered as a miss and spills not sent because the "
-                              "Mooncake tier's circuit breaker was open",
     "copy_path_fallbacks": "Workers whose backend left its batched copy call for a per-copy "
                            "loop because the runtime answered 'not supported'",
 }
+
+
+# A secondary tier's counters, named after the tier (``TierSpec.name``): the same
+# names for the built-in tiers as before (blocks_to_disk, mooncake_timeouts, ...).
+TIER_COUNTERS: dict[str, str] = {
+    "blocks_to_{name}": "KV blocks written from the CPU tier to the {label}",
+    "blocks_from_{name}": "KV blocks promoted from the {label} to the CPU tier",
+    "{name}_timeouts": "Queries or reads of the {label} a request stopped waiting for "
+                       "(recomputed)",
+    "{name}_failed_blocks": "Blocks of the {label} that failed to write or read (missing, "
+                            "evicted, corrupted, unreachable): recomputed, never used",
+    "{name}_breaker_opens": "Times the {label}'s circuit breaker opened after being closed "
+                            "(the tier skipped; opens - closes is 1 while it is open or "
+                            "probing)",
+    "{name}_breaker_reopens": "Probes of the {label} that failed: skipped again, for a "
+                              "longer window",
+    "{name}_breaker_closes": "Times the {label}'s circuit breaker closed (the tier answered "
+                             "again)",
+    "{name}_breaker_skips": "Lookups answered as a miss and spills not sent because the "
+                            "{label}'s circuit breaker was open",
+}
+
+
+def tier_counters(name: str, label: str) -> dict[str, str]:
+    """The counters of the secondary tier ``name`` (help texts say ``label``)."""
+    return {key.format(name=name): doc.format(label=label)
+            for key, doc in TIER_COUNTERS.items()}
 
 
 class _Recorder:
@@ -75,30 +86,24 @@ class _Recorder:
     def record_shared_load_wait(self) -> None:
         self._add("shared_load_waits", 1)
 
-    def record_disk(self, spilled: int, promoted: int) -> None:
-        if spilled:
-            self._add("blocks_to_disk", spilled)
-        if promoted:
-            self._add("blocks_from_disk", promoted)
-
     def record_prefetch(self, num_blocks: int) -> None:
         self._add("blocks_prefetched", num_blocks)
 
-    def record_mooncake(self, spilled: int = 0, promoted: int = 0, timeouts: int = 0,
-                        failed: int = 0) -> None:
-        for key, value in (("blocks_to_mooncake", spilled), ("blocks_from_mooncake", promoted),
-                           ("mooncake_timeouts", timeouts), ("mooncake_failed_blocks", failed)):
+    def record_tier(self, name: str, spilled: int = 0, promoted: int = 0, timeouts: int = 0,
+                    failed: int = 0) -> None:
+        """Blocks the secondary tier ``name`` took and gave, waits given up, failed blocks."""
+        for key, value in ((f"blocks_to_{name}", spilled), (f"blocks_from_{name}", promoted),
+                           (f"{name}_timeouts", timeouts), (f"{name}_failed_blocks", failed)):
             if value:
                 self._add(key, value)
 
-    def record_breaker(self, opened: int = 0, reopened: int = 0, closed: int = 0,
+    def record_breaker(self, name: str, opened: int = 0, reopened: int = 0, closed: int = 0,
                        skipped: int = 0) -> None:
-        for key, value in (("mooncake_breaker_opens", opened),
-                           ("mooncake_breaker_reopens", reopened),
-                           ("mooncake_breaker_closes", closed),
-                           ("mooncake_breaker_skips", skipped)):
+        """Transitions of the circuit breaker of the secondary tier ``name``."""
+        for event, value in (("opens", opened), ("reopens", reopened), ("closes", closed),
+                             ("skips", skipped)):
             if value:
-                self._add(key, value)
+                self._add(f"{name}_breaker_{event}", value)
 
     def record_copy_path_fallback(self) -> None:
         self._add("copy_path_fallbacks", 1)
@@ -128,6 +133,7 @@ class OffloadStats(_Recorder, KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
+        out.update(self.data)  # a secondary tier's own counters
         for direction, nbytes_key in (("store", "bytes_stored"), ("load", "bytes_loaded")):
             seconds = out[f"{direction}_seconds"]
             out[f"{direction}_GBps"] = round(out[nbytes_key] / seconds / 1e9, 3) if seconds else 0.0
@@ -184,14 +190,20 @@ class CopyPathWatch:
 
 
 class OffloadPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per :data:`COUNTERS` entry, per engine."""
+    """One Prometheus counter per :data:`COUNTERS` entry and per counter of every
+    registered secondary tier, per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from kvoffload_hal.tiers.registry import tier_labels
+
+        docs = dict(COUNTERS)
+        for name, label in tier_labels().items():
+            docs.update(tier_counters(name, label))
         self._counters = {
             key: self._counter_cls(name=f"vllm:kvoffload_hal_{key}", documentation=doc,
                                    labelnames=labelnames)
-            for key, doc in COUNTERS.items()
+            for key, doc in docs.items()
         }
         self._children: dict[tuple[int, str], Any] = {}
 

@@ -3,9 +3,9 @@
 The CPU tier itself is :class:`~kvoffload_hal.scheduler.cpu_tier.CpuTier` (vLLM's own
 ``BlockPool`` and ``KVCacheCoordinator``), the choice of blocks to store is a
 :class:`~kvoffload_hal.scheduler.store_policy.StorePolicy`, and a secondary tier behind
-the CPU tier is a :class:`~kvoffload_hal.tiers.scheduler_cascade.TierCascade` (or the
-do-nothing :class:`~kvoffload_hal.tiers.scheduler_cascade.NullCascade`), built by the
-tier's spec (:mod:`kvoffload_hal.tiers.registry`). Loads and stores are
+the CPU tier is a :class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade` (or the
+do-nothing :class:`~kvoffload_hal.scheduler.cascade.base.NullCascade`), built from the
+tier's spec by :mod:`kvoffload_hal.scheduler.cascade.build`. Loads and stores are
 :class:`~kvoffload_hal.scheduler.load_jobs.LoadJobs` and
 :class:`~kvoffload_hal.scheduler.store_jobs.StoreJobs`. Every block they borrow
 stays referenced until the copy is over:
@@ -38,6 +38,9 @@ from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvoffload_hal.metrics import OffloadStats, StatsLedger
+from kvoffload_hal.scheduler.cascade.build import build_cascade
+from kvoffload_hal.scheduler.cascade.prefetch import build_prefetcher
+from kvoffload_hal.scheduler.cascade.staged import StagedHits
 from kvoffload_hal.scheduler.cpu_tier import CpuTier
 from kvoffload_hal.scheduler.load_jobs import LoadJobs
 from kvoffload_hal.scheduler.store_jobs import StoreJobs
@@ -47,10 +50,6 @@ from kvoffload_hal.scheduler.store_policy import (
     StorePolicy,
     lazy_window_blocks,
 )
-from kvoffload_hal.tiers.prefetch import build_prefetcher
-from kvoffload_hal.tiers.registry import build_scheduler_half
-from kvoffload_hal.tiers.spec import SchedulerTierContext
-from kvoffload_hal.tiers.staged import StagedHits
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -80,9 +79,8 @@ class OffloadScheduler:
                            block_size, hash_block_size, eviction=config.eviction)
         self.stats = StatsLedger()
         self.policy = _make_policy(config, kv_cache_config, vllm_config, self.cpu)
-        self.cascade = build_scheduler_half(
-            config.tier, self.caps.secondary_tier,
-            SchedulerTierContext(kv_cache_config, self.cpu, self.world_size, self.stats))
+        self.cascade = build_cascade(config.tier, self.caps.secondary_tier, kv_cache_config,
+                                     self.cpu, self.world_size, self.stats)
         self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size)
         self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads,
                               recovery=self._say_load_recovery())
@@ -133,7 +131,7 @@ class OffloadScheduler:
 
     # --------------------------------------------------------------- loads
     def on_new_request(self, request: Request) -> None:
-        self.prefetch.add(request)  # tiers/prefetch.py: looked at while it waits
+        self.prefetch.add(request)  # scheduler/cascade/prefetch.py: looked at while it waits
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

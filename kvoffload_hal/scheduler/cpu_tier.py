@@ -10,7 +10,7 @@ hash->block map, HMA group semantics and KV events all come from vLLM.
   take them while in use;
 * publishing a block under its hash once its bytes are in place, with a
   ``BlockStored`` event of medium CPU; evictions are labelled CPU too;
-* an :class:`~kvoffload_hal.scheduler.eviction.Eviction` that decides where a block the
+* an :class:`~kvoffload_hal.eviction.base.Eviction` that decides where a block the
   tier lets go of goes in the free queue (vLLM's eviction order), told of
   every load and store.
 
@@ -32,7 +32,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.scheduler.eviction import DEFAULT_EVICTION, make_eviction
+from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, make_eviction
 from kvoffload_hal.vllm_compat import MEDIUM_CPU
 
 if TYPE_CHECKING:

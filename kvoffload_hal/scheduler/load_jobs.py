@@ -138,7 +138,7 @@ class LoadJobs:
     def release_unallocated(self) -> None:
         """Hits held this step whose request vLLM could not allocate: vLLM looks it up
         again, so its hit need not stay pinned meanwhile (where the device is full, for
-        as long as the requests holding it wait for CPU room; see tiers/staged.py)."""
+        as long as the requests holding it wait for CPU room; see scheduler/cascade/staged.py)."""
         for req_id in list(self._pending_hits):
             self.release_hit(req_id)
 

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cascade.tier_cascade import NullCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
-    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
 
 logger = init_logger(__name__)
 

@@ -21,8 +21,7 @@ from kvoffload_hal.plugins import check_target, entry_point_targets, load_class
 from kvoffload_hal.tiers.spec import TierSpec
 
 if TYPE_CHECKING:
-    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
-    from kvoffload_hal.tiers.spec import SchedulerTierContext, WorkerTierContext
+    from kvoffload_hal.tiers.spec import SchedulerHalf, SchedulerTierContext, WorkerTierContext
     from kvoffload_hal.tiers.worker_tier import SecondaryTier
 
 logger = init_logger(__name__)
@@ -70,6 +69,17 @@ def spec_classes() -> list[type[TierSpec]]:
     return [spec_class(name, target) for name, target in tier_targets().items()]
 
 
+def tier_labels() -> dict[str, str]:
+    """``name -> label`` of every tier that loads (for its counters' help texts)."""
+    labels = {}
+    for name, target in tier_targets().items():
+        try:
+            labels[name] = spec_class(name, target).display_name()
+        except TierSelectionError as e:
+            logger.warning("%s; its metrics are not registered", e)
+    return labels
+
+
 def tier_keys() -> tuple[str, ...]:
     """Every key some tier owns in ``kv_connector_extra_config``."""
     return tuple(key for cls in spec_classes() for key in cls.keys)
@@ -105,18 +115,16 @@ def tier_runs(spec: TierSpec | None, kv_cache_config: Any) -> bool:
     return spec is not None and why_tier_is_off(spec, kv_cache_config) is None
 
 
-def build_scheduler_half(spec: TierSpec | None, runs: bool,
-                         ctx: SchedulerTierContext) -> NullCascade:
-    """``spec``'s scheduler half, or the do-nothing one (with one warning when the
-    model keeps a configured tier off)."""
-    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
-
+def scheduler_half(spec: TierSpec | None, runs: bool,
+                   ctx: SchedulerTierContext) -> SchedulerHalf | None:
+    """What the scheduler keeps for ``spec``; None without a tier that runs (with one
+    warning when the model keeps a configured tier off)."""
     if spec is None:
-        return NullCascade()
+        return None
     if not runs:
         logger.warning("HALOffloadConnector: %s; it is disabled for this model",
                        why_tier_is_off(spec, ctx.kv_cache_config))
-        return NullCascade()
+        return None
     return spec.scheduler_half(ctx)
 
 

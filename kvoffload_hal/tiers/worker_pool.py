@@ -24,7 +24,8 @@ from concurrent.futures import wait as futures_wait
 
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.worker_tier import BlockKey, SecondaryTier, TierItem, TierJobResult
+from kvoffload_hal.tiers.spec import BlockKey, TierItem
+from kvoffload_hal.tiers.worker_tier import SecondaryTier, TierJobResult
 
 logger = init_logger(__name__)
 

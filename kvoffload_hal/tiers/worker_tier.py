@@ -5,7 +5,7 @@ disk today; an object store or a remote KV store later) holds copies of CPU-tier
 blocks, keyed by block hash, and moves bytes only between itself and CPU-tier
 blocks. Its work is split like the connector's:
 
-* the **scheduler** decides, with a :class:`TierIndex`, which hashes the tier
+* the **scheduler** decides, with an index, which hashes the tier
   holds, what to evict and what to promote; it never sees the bytes;
 * the **worker**, where the CPU-tier memory lives, runs a :class:`SecondaryTier`
   that copies blocks between CPU memory and the tier, asynchronously.
@@ -33,8 +33,8 @@ Contract of :class:`SecondaryTier` (every method on the engine thread):
     Stop, waiting at most ``timeout_s`` for jobs in flight. True when no job
     still runs; False when one may still read or write CPU-tier memory.
 
-A tier's scheduler half keeps a :class:`~kvoffload_hal.tiers.scheduler_index.TierIndex`
-of what it holds; :mod:`kvoffload_hal.tiers.spec` ties both halves together.
+Runs in each worker process. The scheduler process keeps an index of what the tier
+holds (``scheduler/cascade/``); :mod:`kvoffload_hal.tiers.spec` ties both halves together.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-BlockKey = str  # hex of vLLM's block hash (with group id): file-name safe, picklable
-TierItem = tuple[BlockKey, int]  # (key, CPU-tier block id)
+from kvoffload_hal.tiers.spec import BlockKey, TierItem
+
+__all__ = ["BlockKey", "NullTier", "SecondaryTier", "TierItem", "TierJobResult"]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """A whole secondary tier outside the package, as a third party would write one.
 
 Process memory stands in for the medium: a dict of block values per worker.
-It has what every tier has (a spec with its own keys, a scheduler half over a
-``TierIndex``, a worker half on ``PooledTier``) and nothing else, so the tests
+It has what every tier has (a spec with its own keys, the scheduler half's
+description, a worker half on ``PooledTier``) and nothing else, so the tests
 can show that a tier plugs in without the connector naming it.
 """
 
@@ -11,9 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload_hal.config_values import positive_int
-from kvoffload_hal.tiers.scheduler_cascade import TierCascade
-from kvoffload_hal.tiers.scheduler_index import TierIndex
-from kvoffload_hal.tiers.spec import TierSpec
+from kvoffload_hal.tiers.spec import SchedulerHalf, TierSpec
 from kvoffload_hal.tiers.worker_pool import PooledTier
 
 ENTRY_POINT = "support.memory_tier:MemoryTierSpec"
@@ -68,7 +66,7 @@ class MemoryTierSpec(TierSpec):
         return cls(positive_int("memory_tier_blocks", extra["memory_tier_blocks"]))
 
     def scheduler_half(self, ctx):
-        return TierCascade(TierIndex(self.blocks), ctx.cpu, ctx.world_size, ctx.stats)
+        return SchedulerHalf(self.blocks)
 
     def worker_half(self, ctx):
         return MemoryTier(ctx.host_views, ctx.fingerprint)

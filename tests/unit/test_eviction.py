@@ -11,7 +11,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.demo.eviction_replay import KeyHashes, make_replay_tier, replay_tier
-from kvoffload_hal.scheduler.eviction import (
+from kvoffload_hal.eviction.adaptive import (
     CANDIDATES,
     FRESH,
     HEAD,

@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.demo.eviction_replay import KeyHashes, belady_hits, make_replay_tier, replay_tier
-from kvoffload_hal.scheduler.eviction import CANDIDATES, AdaptiveEviction, Shadow
+from kvoffload_hal.eviction.adaptive import CANDIDATES, AdaptiveEviction, Shadow
 
 CANDIDATE_LRU = next(c for c in CANDIDATES if c.name == "lru")
 # vLLM's LRU, the duel over every candidate, and each candidate alone.

@@ -11,7 +11,7 @@ import tracemalloc
 
 import pytest
 
-from kvoffload_hal.scheduler.eviction import (
+from kvoffload_hal.eviction.adaptive import (
     CANDIDATES,
     FRESH,
     RETURNED,
@@ -19,7 +19,7 @@ from kvoffload_hal.scheduler.eviction import (
     Duel,
     RecentHashes,
 )
-from kvoffload_hal.scheduler.eviction_sketch import GENERATIONS, HEADROOM
+from kvoffload_hal.eviction.sketch import GENERATIONS, HEADROOM
 
 
 def _hashes(first, count, group=0):

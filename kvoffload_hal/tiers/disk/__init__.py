@@ -14,9 +14,8 @@ key                    default     meaning
                                    ``remove``: a clean shutdown removes them
 =====================  ==========  =================================================
 
-The scheduler half is a :class:`~kvoffload_hal.tiers.scheduler_cascade.TierCascade`
-over a :class:`~kvoffload_hal.tiers.scheduler_index.TierIndex` of
-``disk_bytes_to_use / (TP x PP)`` bytes' worth of blocks; the worker half is
+The scheduler keeps ``disk_bytes_to_use / (TP x PP)`` bytes' worth of blocks per
+rank, and rebuilds its index from the kept directory after a restart; the worker half is
 :class:`~kvoffload_hal.tiers.disk.worker.DiskTier`, one private directory per
 rank. Models with several KV cache groups keep one file per (group, block).
 """
@@ -33,13 +32,13 @@ from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.disk.dirs import DIR_MODE, check_private_dir
 from kvoffload_hal.tiers.spec import (
     CapacityClaim,
+    SchedulerHalf,
     SchedulerTierContext,
     TierSpec,
     WorkerTierContext,
 )
 
 if TYPE_CHECKING:
-    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
     from kvoffload_hal.tiers.worker_tier import SecondaryTier
 
 logger = init_logger(__name__)
@@ -49,7 +48,8 @@ RETENTIONS = ("keep", "remove")
 
 class DiskTierSpec(TierSpec):
     name = "disk"
-    one_group_only = False  # one entry per (group, block): tiers/scheduler_groups.py
+    label = "disk tier"
+    one_group_only = False  # one entry per (group, block): scheduler/cascade/groups.py
     switch_key = "disk_path"
     keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct", "disk_retention")
 
@@ -84,16 +84,11 @@ class DiskTierSpec(TierSpec):
         return [CapacityClaim("disk_bytes_to_use", self.bytes_to_use // max(1, world_size),
                               shutil.disk_usage(self.path).free, f"free in {self.path}")]
 
-    def scheduler_half(self, ctx: SchedulerTierContext) -> NullCascade:
-        from kvoffload_hal.config import num_blocks_for
-        from kvoffload_hal.tiers.scheduler_cascade import TierCascade
-        from kvoffload_hal.tiers.scheduler_index import TierIndex
-
-        index = TierIndex(num_blocks_for("disk_bytes_to_use", ctx.kv_cache_config,
-                                         self.bytes_to_use // max(1, ctx.world_size)))
-        logger.info("HALOffloadConnector: disk tier of %d blocks at %s",
-                    index.capacity_blocks, self.path)
-        return TierCascade(index, ctx.cpu, ctx.world_size, ctx.stats, rebuild=True)
+    def scheduler_half(self, ctx: SchedulerTierContext) -> SchedulerHalf:
+        blocks = ctx.blocks_for("disk_bytes_to_use",
+                                self.bytes_to_use // max(1, ctx.world_size))
+        logger.info("HALOffloadConnector: disk tier of %d blocks at %s", blocks, self.path)
+        return SchedulerHalf(blocks, rebuild=True)
 
     def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:
         from kvoffload_hal.tiers.disk.worker import DiskTier

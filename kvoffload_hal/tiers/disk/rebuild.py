@@ -24,7 +24,7 @@ import threading
 import time
 
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.worker_tier import BlockKey
+from kvoffload_hal.tiers.spec import BlockKey
 
 logger = init_logger(__name__)
 

@@ -38,8 +38,8 @@ from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
 from kvoffload_hal.tiers.disk.dirs import DIR_MODE, FILE_MODE, TierDir
 from kvoffload_hal.tiers.disk.rebuild import DirScan
 from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
+from kvoffload_hal.tiers.spec import BlockKey, TierItem
 from kvoffload_hal.tiers.worker_pool import PooledTier
-from kvoffload_hal.tiers.worker_tier import BlockKey, TierItem
 
 logger = init_logger(__name__)
 

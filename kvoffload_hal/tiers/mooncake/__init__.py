@@ -1,8 +1,8 @@
 """The Mooncake Store tier, shared by every instance: its keys, and both halves.
 
 Its keys are documented in :mod:`kvoffload_hal.tiers.mooncake.config`. The
-scheduler half is a :class:`~kvoffload_hal.tiers.scheduler_shared.SharedTierCascade`
-(what this instance knows the store holds, existence queries, bounded waits);
+scheduler remembers up to :data:`KNOWN_KEYS` keys the store holds and waits at most
+``mooncake_timeout_s`` for the store (``scheduler/cascade/shared.py`` does the rest);
 the worker half is :class:`~kvoffload_hal.tiers.mooncake.worker.MooncakeTier`,
 one store client per rank, one object per (group, block); instances find
 each other's blocks only with the same ``PYTHONHASHSEED``.
@@ -13,10 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.tiers.mooncake.config import MOONCAKE_KEYS, MooncakeConfig, parse_mooncake
-from kvoffload_hal.tiers.spec import SchedulerTierContext, TierSpec, WorkerTierContext
+from kvoffload_hal.tiers.spec import (
+    SchedulerHalf,
+    SchedulerTierContext,
+    TierSpec,
+    WorkerTierContext,
+)
 
 if TYPE_CHECKING:
-    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
     from kvoffload_hal.tiers.worker_tier import SecondaryTier
 
 # Keys the scheduler remembers the store holds. Not the store's capacity (the
@@ -27,7 +31,8 @@ KNOWN_KEYS = 1 << 16
 
 class MooncakeTierSpec(TierSpec):
     name = "mooncake"
-    one_group_only = False  # one entry per (group, block): tiers/scheduler_groups.py
+    label = "Mooncake tier"
+    one_group_only = False  # one entry per (group, block): scheduler/cascade/groups.py
     switch_key = "mooncake_master"
     keys = MOONCAKE_KEYS
     shared_across_instances = True
@@ -40,16 +45,13 @@ class MooncakeTierSpec(TierSpec):
         config = parse_mooncake(extra)
         return None if config is None else cls(config)
 
-    def scheduler_half(self, ctx: SchedulerTierContext) -> NullCascade:
-        """No tier (with one warning) when the master cannot be reached."""
+    def scheduler_half(self, ctx: SchedulerTierContext) -> SchedulerHalf | None:
+        """None (with one warning) when the master cannot be reached."""
         from kvoffload_hal.tiers.mooncake.client import tier_available
-        from kvoffload_hal.tiers.scheduler_cascade import NullCascade
-        from kvoffload_hal.tiers.scheduler_shared import SharedTierCascade, SharedTierIndex
 
         if not tier_available(self.config, "scheduler"):
-            return NullCascade()
-        return SharedTierCascade(SharedTierIndex(KNOWN_KEYS), ctx.cpu, ctx.world_size,
-                                 ctx.stats, self.config.timeout_s)
+            return None
+        return SchedulerHalf(KNOWN_KEYS, wait_s=self.config.timeout_s)
 
     def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:
         from kvoffload_hal.tiers.mooncake.worker import open_mooncake_tier

@@ -47,8 +47,9 @@ from kvoffload_hal.tiers.mooncake.client import (
     register,
     tier_available,
 )
+from kvoffload_hal.tiers.spec import BlockKey, TierItem
 from kvoffload_hal.tiers.worker_pool import PooledTier
-from kvoffload_hal.tiers.worker_tier import BlockKey, SecondaryTier, TierItem, TierJobResult
+from kvoffload_hal.tiers.worker_tier import SecondaryTier, TierJobResult
 
 if TYPE_CHECKING:
     from kvoffload_hal.tiers.mooncake.config import MooncakeConfig

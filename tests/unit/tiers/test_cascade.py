@@ -4,17 +4,20 @@ import pytest
 
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.tiers.scheduler_cascade import TierCascade
-from kvoffload_hal.tiers.scheduler_index import TierIndex
+from kvoffload_hal.scheduler.cascade.base import TierNames
+from kvoffload_hal.scheduler.cascade.index import TierIndex
+from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
 
 BS = 16
+DISK = TierNames("disk", "disk tier")
 
 
 @pytest.fixture
 def cascade(make_engine):
     engine = make_engine(cpu_blocks=8)
     cpu = engine.offload.cpu
-    return engine, cpu, TierCascade(TierIndex(16), cpu, world_size=2, stats=StatsLedger())
+    return engine, cpu, TierCascade(TierIndex(16), cpu, world_size=2, stats=StatsLedger(),
+                                     names=DISK)
 
 
 def _published(engine, cpu, n, seed=0):
@@ -137,12 +140,12 @@ def test_a_spill_of_the_requests_own_hit_frees_no_room_for_it(cascade):
 
 def test_a_request_waits_for_room_at_most_a_bounded_time(make_engine):
     """Copies that never end (a stuck disk) cannot keep a request waiting forever."""
-    from kvoffload_hal.tiers.scheduler_cascade import MAX_ROOM_WAIT_S
+    from kvoffload_hal.scheduler.cascade.tier_cascade import MAX_ROOM_WAIT_S
 
     engine = make_engine(cpu_blocks=8)
     cpu, now = engine.offload.cpu, [0.0]
     tiers = TierCascade(TierIndex(16), cpu, world_size=2, stats=StatsLedger(),
-                        clock=lambda: now[0])
+                        clock=lambda: now[0], names=DISK)
     req, _ = _spilled_then_dropped(engine, cpu, tiers, 3)
     tiers.bind_copies(lambda: True)  # a copy that never ends
     taken = cpu.allocate(cpu.num_free_blocks())

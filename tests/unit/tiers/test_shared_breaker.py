@@ -4,40 +4,20 @@ skips, the probe that closes it, and an engine that does not step for a frozen s
 import pytest
 
 from kvoffload_hal.metadata import JobReport
-from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.tiers.breaker import BreakerState
-from kvoffload_hal.tiers.scheduler_shared import SharedTierCascade, SharedTierIndex
-from support.clock import FakeClock
-
-BS = 16
-TIMEOUT_S = 5.0
+from kvoffload_hal.scheduler.cascade.breaker import BreakerState
+from support.shared_tier import TIMEOUT_S, shared_rig, tier_keys, waiting_request
 
 
 @pytest.fixture
 def shared(make_engine):
-    engine = make_engine(cpu_blocks=16)
-    clock = FakeClock()
-    tiers = SharedTierCascade(SharedTierIndex(64), engine.offload.cpu, world_size=2,
-                              stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=clock)
+    engine, _, tiers, clock = shared_rig(make_engine, cpu_blocks=16)
     return engine, tiers, clock
-
-
-def _request(engine, n, seed):
-    req = engine.add(f"r{seed}", [seed + 1 + i % 50 for i in range(n * BS + 1)])
-    engine.scheduler.waiting.remove(req)
-    return req
-
-
-def _keys(req, n):
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-    return [make_block_hash_with_group_id(h, 0).hex() for h in req.block_hashes[:n]]
 
 
 def _published(engine, n, seed):
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    req = _request(engine, n, seed)
+    req = waiting_request(engine, n, seed)
     cpu = engine.offload.cpu
     blocks = cpu.allocate(n)
     hashes = [make_block_hash_with_group_id(h, 0) for h in req.block_hashes[:n]]
@@ -52,7 +32,7 @@ def _counters(tiers):
 
 def _open_by_a_timeout(engine, tiers, clock):
     """A first request pays the full timeout of a frozen store; the breaker opens."""
-    req = _request(engine, 3, seed=0)
+    req = waiting_request(engine, 3, seed=0)
     assert tiers.lookup(req, (), 0, 3) is True
     probe = tiers.take_jobs().probe
     clock.now += TIMEOUT_S + 0.1
@@ -64,7 +44,7 @@ def _open_by_a_timeout(engine, tiers, clock):
 def test_while_open_lookups_miss_at_once_and_spills_are_not_sent(shared):
     engine, tiers, clock = shared
     _, stuck = _open_by_a_timeout(engine, tiers, clock)
-    later = _request(engine, 3, seed=1)
+    later = waiting_request(engine, 3, seed=1)
     assert tiers.lookup(later, (), 0, 3) is False  # no query, no wait
     blocks, hashes = _published(engine, 2, seed=2)
     tiers.on_published(blocks, hashes)
@@ -80,8 +60,8 @@ def test_while_open_lookups_miss_at_once_and_spills_are_not_sent(shared):
 
 def test_a_request_already_waiting_stops_waiting_when_the_breaker_opens(shared):
     engine, tiers, clock = shared
-    waiting = _request(engine, 3, seed=1)
-    tiers.index.learn(_keys(waiting, 3))
+    waiting = waiting_request(engine, 3, seed=1)
+    tiers.index.learn(tier_keys(waiting, 3))
     assert tiers.lookup(waiting, (), 0, 3) is True
     promote = tiers.take_jobs().promote
     tiers.breaker.timeout()  # another request's wait ran out
@@ -97,14 +77,14 @@ def test_after_the_backoff_one_request_probes_and_an_answer_closes(shared):
     engine, tiers, clock = shared
     _open_by_a_timeout(engine, tiers, clock)
     clock.now += 1.0  # the first window
-    first, second = _request(engine, 3, seed=1), _request(engine, 3, seed=2)
+    first, second = waiting_request(engine, 3, seed=1), waiting_request(engine, 3, seed=2)
     assert tiers.lookup(first, (), 0, 3) is True  # the probe: asks the store
     assert tiers.breaker.state is BreakerState.HALF_OPEN
     assert tiers.lookup(second, (), 0, 3) is False  # everyone else still skips
     probe = tiers.take_jobs().probe
-    assert [k for k, _ in probe.items] == _keys(first, 3)
+    assert [k for k, _ in probe.items] == tier_keys(first, 3)
     assert tiers.has_pending() is False  # half-open: the probe's job is no push work
-    tiers.on_reports({probe.job_id: JobReport(ranks=2, failed_keys=tuple(_keys(first, 3)))})
+    tiers.on_reports({probe.job_id: JobReport(ranks=2, failed_keys=tuple(tier_keys(first, 3)))})
     assert tiers.breaker.state is BreakerState.CLOSED
     assert tiers.lookup(first, (), 0, 3) is False  # answered: the store lacks them
     assert _counters(tiers) == {"opens": 1, "closes": 1, "skips": 1}
@@ -114,7 +94,7 @@ def test_a_probe_that_times_out_reopens_for_a_longer_window(shared):
     engine, tiers, clock = shared
     _open_by_a_timeout(engine, tiers, clock)
     clock.now += 1.0
-    req = _request(engine, 3, seed=1)
+    req = waiting_request(engine, 3, seed=1)
     assert tiers.lookup(req, (), 0, 3) is True
     tiers.take_jobs()
     clock.now += TIMEOUT_S + 0.1
@@ -156,7 +136,7 @@ def test_after_the_backoff_spills_may_probe_too(shared):
     blocks, hashes = _published(engine, 2, seed=1)
     tiers.on_published(blocks, hashes)  # the first to come after the window: the probe
     assert tiers.breaker.state is BreakerState.HALF_OPEN
-    later = _request(engine, 3, seed=2)
+    later = waiting_request(engine, 3, seed=2)
     assert tiers.lookup(later, (), 0, 3) is False  # the spills probe: requests skip
     spill = tiers.take_jobs().spill
     tiers.on_reports({spill.job_id: JobReport(ranks=2)})

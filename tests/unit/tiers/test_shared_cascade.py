@@ -5,39 +5,19 @@ import itertools
 import pytest
 
 from kvoffload_hal.metadata import JobReport
-from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.tiers.scheduler_shared import SharedTierCascade, SharedTierIndex
-from support.clock import FakeClock
-
-BS = 16
-TIMEOUT_S = 5.0
+from kvoffload_hal.scheduler.cascade.shared import SharedTierIndex
+from support.shared_tier import BS, TIMEOUT_S, shared_rig, tier_keys, waiting_request
 
 
 @pytest.fixture
 def shared(make_engine):
-    engine = make_engine(cpu_blocks=8)
-    clock = FakeClock()
-    tiers = SharedTierCascade(SharedTierIndex(64), engine.offload.cpu, world_size=2,
-                              stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=clock)
-    return engine, engine.offload.cpu, tiers, clock
-
-
-def _request(engine, n, seed=0):
-    req = engine.add(f"r{seed}", [seed + 1 + i % 50 for i in range(n * BS + 1)])
-    engine.scheduler.waiting.remove(req)
-    return req
-
-
-def _keys(req, n):
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
-    return [make_block_hash_with_group_id(h, 0).hex() for h in req.block_hashes[:n]]
+    return shared_rig(make_engine, cpu_blocks=8)
 
 
 def test_a_miss_asks_the_store_then_promotes_what_every_rank_holds(shared):
     engine, cpu, tiers, _ = shared
-    req = _request(engine, 4)
-    keys = _keys(req, 4)
+    req = waiting_request(engine, 4)
+    keys = tier_keys(req, 4)
     assert tiers.lookup(req, (), 0, 4) is True  # asking the store: ask again later
     probe = tiers.take_jobs().probe
     assert [k for k, _ in probe.items] == keys
@@ -59,11 +39,9 @@ def test_a_miss_asks_the_store_then_promotes_what_every_rank_holds(shared):
 @pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
 def test_a_key_any_rank_misses_is_never_learned_whatever_order_the_ranks_report_in(
         make_engine, order):
-    engine = make_engine(cpu_blocks=8)
-    tiers = SharedTierCascade(SharedTierIndex(64), engine.offload.cpu, world_size=3,
-                              stats=StatsLedger(), timeout_s=TIMEOUT_S, clock=FakeClock())
-    req = _request(engine, 4)
-    keys = _keys(req, 4)
+    engine, _, tiers, _ = shared_rig(make_engine, cpu_blocks=8, world_size=3)
+    req = waiting_request(engine, 4)
+    keys = tier_keys(req, 4)
     assert tiers.lookup(req, (), 0, 4) is True
     probe = tiers.take_jobs().probe
     missing = {0: (keys[3],), 1: (keys[1],), 2: ()}  # rank 2 holds everything
@@ -80,7 +58,7 @@ def test_a_key_any_rank_misses_is_never_learned_whatever_order_the_ranks_report_
 
 def test_a_probe_that_does_not_answer_in_time_is_a_miss(shared):
     engine, _, tiers, clock = shared
-    req = _request(engine, 3)
+    req = waiting_request(engine, 3)
     assert tiers.lookup(req, (), 0, 3) is True
     probe = tiers.take_jobs().probe
     clock.now += TIMEOUT_S + 0.1
@@ -94,8 +72,8 @@ def test_a_probe_that_does_not_answer_in_time_is_a_miss(shared):
 
 def test_a_read_that_times_out_keeps_its_blocks_until_it_really_ends(shared):
     engine, cpu, tiers, clock = shared
-    req = _request(engine, 3)
-    tiers.index.learn(_keys(req, 3))  # known from earlier: no probe needed
+    req = waiting_request(engine, 3)
+    tiers.index.learn(tier_keys(req, 3))  # known from earlier: no probe needed
     assert tiers.lookup(req, (), 0, 3) is True
     promote = tiers.take_jobs().promote
     assert promote is not None and cpu.num_pinned_blocks() == 3
@@ -125,9 +103,9 @@ def _twin(engine, req):
 
 def test_a_second_request_waits_for_the_first_ones_promotion(shared):
     engine, cpu, tiers, _ = shared
-    req = _request(engine, 3)
+    req = waiting_request(engine, 3)
     twin = _twin(engine, req)
-    tiers.index.learn(_keys(req, 3))
+    tiers.index.learn(tier_keys(req, 3))
     assert tiers.lookup(req, (), 0, 3) is True
     promote = tiers.take_jobs().promote
     assert len(promote.items) == 3
@@ -145,9 +123,9 @@ def test_a_second_request_waits_for_the_first_ones_promotion(shared):
 
 def test_a_request_waiting_on_a_frozen_promotion_recomputes_after_the_timeout(shared):
     engine, cpu, tiers, clock = shared
-    req = _request(engine, 3)
+    req = waiting_request(engine, 3)
     twin = _twin(engine, req)
-    tiers.index.learn(_keys(req, 3))
+    tiers.index.learn(tier_keys(req, 3))
     assert tiers.lookup(req, (), 0, 3) is True
     promote = tiers.take_jobs().promote
     assert tiers.lookup(twin, (), 0, 3) is True

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from kvoffload_hal.tiers.worker_tier import BlockKey
+from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
     from kvoffload_hal.scheduler.cpu_tier import CpuTier

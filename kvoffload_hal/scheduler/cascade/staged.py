@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
-    from kvoffload_hal.tiers.scheduler_cascade import TierCascade
 
 # The longest a staged hit waits for a free CPU block before the rest is recomputed.
 MAX_STAGE_WAIT_S = 10.0

@@ -15,8 +15,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.scheduler_index import TierIndex
-from kvoffload_hal.tiers.worker_tier import BlockKey
+from kvoffload_hal.scheduler.cascade.index import TierIndex
+from kvoffload_hal.tiers.spec import BlockKey
 
 logger = init_logger(__name__)
 
@@ -24,8 +24,9 @@ logger = init_logger(__name__)
 class IndexRebuild:
     """Counts the ranks' reports of blocks found after a restart; see the module docstring."""
 
-    def __init__(self, index: TierIndex, world_size: int) -> None:
+    def __init__(self, index: TierIndex, world_size: int, label: str = "tier") -> None:
         self.index = index
+        self.label = label
         self.world_size = world_size
         self._seen: Counter[BlockKey] = Counter()  # keys some, not yet all, ranks reported
         self._ranks_done = 0
@@ -57,10 +58,10 @@ class IndexRebuild:
 
     def _finish(self) -> None:
         if self._seen:
-            logger.info("disk tier: %d blocks from before the restart are missing on some "
-                        "rank; they are deleted", len(self._seen))
+            logger.info("%s: %d blocks from before the restart are missing on some "
+                        "rank; they are deleted", self.label, len(self._seen))
             self.index.forget_unindexed(self._seen)
             self._seen.clear()
         if self.adopted:
-            logger.info("disk tier: %d blocks from before the restart are served again",
-                        self.adopted)
+            logger.info("%s: %d blocks from before the restart are served again",
+                        self.label, self.adopted)

@@ -7,91 +7,47 @@ has room for). The CPU block stays referenced until every rank wrote it, so it c
 reused mid-write. Write-through was chosen over write-on-evict because vLLM's BlockPool
 evicts inside ``get_new_blocks`` without a hook: by the time a block is known to be
 evicted its bytes are already being overwritten. Promotions are
-:class:`~kvoffload_hal.tiers.scheduler_cascade.TierCascade`'s.
+:class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
+from kvoffload_hal.scheduler.cascade.base import NullCascade, TierNames
+from kvoffload_hal.scheduler.cascade.index import TierIndex
+from kvoffload_hal.scheduler.cascade.rebuild import IndexRebuild
 from kvoffload_hal.scheduler.jobs import JobBook, RankTally
-from kvoffload_hal.tiers.scheduler_index import TierIndex
-from kvoffload_hal.tiers.scheduler_rebuild import IndexRebuild
-from kvoffload_hal.tiers.worker_tier import BlockKey
+from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
-    from vllm.v1.request import Request
 
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier
 
-NO_TIER_JOBS = TierJobs()
+class JobKind(Enum):
+    """What a tier job does; one job per kind per step."""
 
-
-class NullCascade:
-    """No secondary tier: the scheduler's calls, each doing nothing.
-
-    The interface a secondary tier offers the scheduler, with
-    :class:`TierCascade` the real one.
-    """
-
-    stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)
-
-    def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
-        """``copies_in_flight()``: whether the CPU tier's own loads or stores hold CPU
-        blocks that they release when they end."""
-
-    def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
-        """Blocks were just published in the CPU tier (write-through)."""
-
-    def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
-        """Blocks the workers found from before a restart; ranks done looking."""
-
-    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
-               max_blocks: int | None = None) -> bool:
-        """After a CPU hit ``hit``: True when the request must ask again later.
-        ``max_blocks``: promote at most that many CPU blocks (a prefetch's budget)."""
-        return False
-
-    def held_for(self, req_id: str, promoting_only: bool = False) -> int:
-        """CPU blocks promoted (unless ``promoting_only``), or being promoted, for the
-        request and kept for it."""
-        return 0
-
-    def release_promoted(self, req_id: str) -> None:
-        """Drop the pins kept on blocks promoted for the request (it pinned its hit)."""
-
-    def request_finished(self, req_id: str) -> None:
-        """Forget the request; a promotion in flight completes without it."""
-
-    def take_jobs(self) -> TierJobs:
-        """This step's jobs for the workers."""
-        return NO_TIER_JOBS
-
-    def on_reports(self, reports: dict[int, JobReport]) -> None:
-        """Job reports from the workers, summed over ranks."""
-
-    def reset(self) -> None:
-        """Forget every entry; jobs in flight finish but are not published."""
-
-    def has_pending(self) -> bool:
-        return False
+    SPILL = "spill"  # CPU tier -> tier
+    PROMOTE = "promote"  # tier -> CPU tier
+    PROBE = "probe"  # a shared tier's existence query
 
 
 @dataclass
 class TierJob:
-    promote: bool
+    kind: JobKind
     keys: list[BlockKey]
     blocks: list[KVCacheBlock]
     hashes: list[Any]
     req_id: str | None = None
     failed: set[BlockKey] = field(default_factory=set)
     abandoned: bool = False
-    # A staged hit's round (tiers/staged.py): takes the blocks and how many read.
+    # A staged hit's round (scheduler/cascade/staged.py): takes the blocks and how many read.
     on_done: Callable[[list[KVCacheBlock], int], None] | None = None
 
 
@@ -99,7 +55,7 @@ class TierJob:
 class TierStep:
     """The jobs of one kind sent in one step: they share one id and one tally."""
 
-    kind: str  # "spill", "promote", or a subclass's own kind (a shared tier's "probe")
+    kind: JobKind
     jobs: list[Any]
 
 
@@ -107,9 +63,11 @@ class SpillCascade(NullCascade):
     """The tier's jobs and spills; promotions are the subclass's (``_finish_promotion``)."""
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
-                 stats: StatsLedger, rebuild: bool = False) -> None:
+                 stats: StatsLedger, rebuild: bool = False,
+                 names: TierNames = TierNames()) -> None:
         self.index = index
-        self.rebuild = IndexRebuild(index, world_size) if rebuild else None
+        self.names = names
+        self.rebuild = IndexRebuild(index, world_size, names.label) if rebuild else None
         self.cpu = cpu
         self.world_size = world_size
         self.stats = stats
@@ -125,26 +83,26 @@ class SpillCascade(NullCascade):
             return
         keys, blocks, hashes = map(list, zip(*chosen))
         self.cpu.pin(blocks)  # read by the tier until every rank wrote it
-        self._queued.append(TierJob(False, keys, blocks, hashes))
+        self._queued.append(TierJob(JobKind.SPILL, keys, blocks, hashes))
 
     def _spills(self) -> Iterator[TierJob]:
         """Spill jobs queued or in flight: each keeps its CPU blocks until it ends."""
-        yield from (j for j in self._queued if not j.promote)
+        yield from (j for j in self._queued if j.kind is JobKind.SPILL)
         for step in self._sent.payloads():
-            if step.kind == "spill":
+            if step.kind is JobKind.SPILL:
                 yield from step.jobs
 
     # ---------------------------------------------------------- per step
     def take_jobs(self) -> TierJobs:
-        spill, promote = (self._take(promote) for promote in (False, True))
+        spill, promote = (self._take(kind) for kind in (JobKind.SPILL, JobKind.PROMOTE))
         self._queued.clear()
         return TierJobs(spill, promote, tuple(self.index.take_evicted()))
 
-    def _take(self, promote: bool) -> TierJobSpec | None:
-        jobs = [j for j in self._queued if j.promote == promote]
+    def _take(self, kind: JobKind) -> TierJobSpec | None:
+        jobs = [j for j in self._queued if j.kind is kind]
         if not jobs:
             return None
-        job_id = self._sent.send(TierStep("promote" if promote else "spill", jobs))
+        job_id = self._sent.send(TierStep(kind, jobs))
         return TierJobSpec(job_id, [(k, b.block_id) for j in jobs
                                     for k, b in zip(j.keys, j.blocks)])
 
@@ -158,7 +116,10 @@ class SpillCascade(NullCascade):
         """Every rank reported the step's jobs; a key failed if it failed on any rank."""
         for job in step.jobs:
             job.failed.update(tally.failed_keys.intersection(job.keys))
-            (self._finish_promotion if job.promote else self._finish_spill)(job)
+            if job.kind is JobKind.PROMOTE:
+                self._finish_promotion(job)
+            else:
+                self._finish_spill(job)
 
     def _finish_spill(self, job: TierJob) -> None:
         ok = [k for k in job.keys if k not in job.failed]
@@ -174,7 +135,7 @@ class SpillCascade(NullCascade):
         raise NotImplementedError
 
     def _record_moved(self, spilled: int, promoted: int) -> None:
-        self.stats.record_disk(spilled=spilled, promoted=promoted)
+        self.stats.record_tier(self.names.name, spilled=spilled, promoted=promoted)
 
     def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
         if self.rebuild is not None:

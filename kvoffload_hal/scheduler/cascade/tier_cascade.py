@@ -1,7 +1,7 @@
 """Scheduler side of a secondary tier: asynchronous promotions.
 
 Spills (write-through) and the jobs' transport are
-:class:`~kvoffload_hal.tiers.scheduler_spill.SpillCascade`'s; :class:`TierCascade` adds:
+:class:`~kvoffload_hal.scheduler.cascade.spill.SpillCascade`'s; :class:`TierCascade` adds:
 
 * **Promotion.** When a lookup finds the CPU hit continued by blocks the tier
   holds, fresh CPU blocks are allocated and a tier->CPU job is queued; the
@@ -10,7 +10,7 @@ Spills (write-through) and the jobs' transport are
   cache and kept referenced for that request; its next lookup finds a longer
   CPU hit and loads it to the device as usual. A model with several KV cache
   groups promotes every group's entries of the run
-  (:mod:`~kvoffload_hal.tiers.scheduler_groups`). When no CPU block is free
+  (:mod:`~kvoffload_hal.scheduler.cascade.groups`). When no CPU block is free
   because copies in flight hold them (spills, the CPU tier's loads and stores),
   the request waits for those copies instead of recomputing: its answer would
   otherwise depend on whether a disk write had been collected yet.
@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.scheduler_groups import GroupKeys
-from kvoffload_hal.tiers.scheduler_index import TierIndex
-from kvoffload_hal.tiers.scheduler_spill import NullCascade, SpillCascade, TierJob, TierStep
-from kvoffload_hal.tiers.worker_tier import BlockKey
+from kvoffload_hal.scheduler.cascade.base import NullCascade, TierNames
+from kvoffload_hal.scheduler.cascade.groups import GroupKeys
+from kvoffload_hal.scheduler.cascade.index import TierIndex
+from kvoffload_hal.scheduler.cascade.spill import JobKind, SpillCascade, TierJob, TierStep
+from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -62,9 +63,10 @@ class TierCascade(SpillCascade):
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, rebuild: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 names: TierNames = TierNames()) -> None:
         """``rebuild``: the workers report blocks kept from before a restart."""
-        super().__init__(index, cpu, world_size, stats, rebuild)
+        super().__init__(index, cpu, world_size, stats, rebuild, names)
         self._clock = clock
         self._room_wait_since: dict[str, float] = {}
         self._promoting: dict[str, TierJob] = {}
@@ -87,7 +89,7 @@ class TierCascade(SpillCascade):
         Blocks promoted for this request were pinned until now; the CPU lookup
         found the ones still wanted. The hit stays pinned while room is made, so
         a promotion never evicts the blocks it extends (a run longer than the room
-        is staged instead, tiers/staged.py, where that can be done).
+        is staged instead, scheduler/cascade/staged.py, where that can be done).
         """
         self.cpu.pin_hit(hit)
         self._max_blocks = max_blocks
@@ -120,7 +122,8 @@ class TierCascade(SpillCascade):
         ``req_id``, or for a staged hit: then once every rank read them, the blocks that
         read are published and ``on_done(blocks, n_ok)`` owns every block, still pinned."""
         self.index.pin(keys)
-        job = TierJob(True, keys, self.cpu.allocate(len(keys)), hashes, req_id, on_done=on_done)
+        job = TierJob(JobKind.PROMOTE, keys, self.cpu.allocate(len(keys)), hashes, req_id,
+                      on_done=on_done)
         self._queued.append(job)
         self._keys_promoting.update(keys)
         return job
@@ -186,9 +189,9 @@ class TierCascade(SpillCascade):
             return False
         now = self._clock()
         if now - self._room_wait_since.setdefault(req_id, now) > MAX_ROOM_WAIT_S:
-            log_once(logger, logging.WARNING, "disk tier: a request waited %.0f s for CPU "
-                     "blocks held by copies in flight (a stuck disk?); such requests are "
-                     "recomputed", MAX_ROOM_WAIT_S)
+            log_once(logger, logging.WARNING, "%s: a request waited %.0f s for CPU "
+                     "blocks held by copies in flight (a stuck tier?); such requests are "
+                     "recomputed", self.names.label, MAX_ROOM_WAIT_S)
             return False
         self.cpu.pin(own)
         self._promoted[req_id] = own  # released by its next lookup, as promoted blocks are
@@ -232,11 +235,11 @@ class TierCascade(SpillCascade):
     # --------------------------------------------------------------- misc
     def reset(self) -> None:
         for step in self._sent.payloads():
-            if step.kind in ("spill", "promote"):  # a subclass's own kinds reset theirs
+            if step.kind is not JobKind.PROBE:  # a shared tier resets its probes
                 for job in step.jobs:
                     job.abandoned = True
         for job in self._queued:  # never sent: release now
-            if job.promote:
+            if job.kind is JobKind.PROMOTE:
                 self._keys_promoting.difference_update(job.keys)
                 self.index.unpin(job.keys)
                 if job.req_id is not None:

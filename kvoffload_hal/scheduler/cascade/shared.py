@@ -1,6 +1,7 @@
-"""Scheduler side of a tier shared by every instance (Mooncake Store).
+"""Scheduler side of a tier shared by every instance (``shared_across_instances``:
+the Mooncake Store). Runs in the scheduler process.
 
-A local tier's :class:`~kvoffload_hal.tiers.scheduler_index.TierIndex` knows everything
+A local tier's :class:`~kvoffload_hal.scheduler.cascade.index.TierIndex` knows everything
 the tier holds: only this instance writes it. A shared store also holds what
 other instances wrote, and loses objects the master evicts. So:
 
@@ -15,18 +16,18 @@ other instances wrote, and loses objects the master evicts. So:
   When every rank answered, the keys present on all ranks are learned (every
   group's, for a model with several) and promoted as for any tier.
 * Every wait is bounded: a request whose probe or promotion is older than
-  ``mooncake_timeout_s`` stops waiting and recomputes (counted in
-  ``mooncake_timeouts``). A promotion it stopped waiting for keeps its CPU
+  the tier's wait (``SchedulerHalf.wait_s``: ``mooncake_timeout_s``) stops waiting
+  and recomputes (counted in ``<name>_timeouts``). A promotion it stopped waiting for keeps its CPU
   blocks referenced until the workers report it, so a late read never writes
   into a reused block.
-* A **circuit breaker** (:mod:`~kvoffload_hal.tiers.breaker`) turns those
+* A **circuit breaker** (:mod:`~kvoffload_hal.scheduler.cascade.breaker`) turns those
   outcomes into one decision: a timeout, or three jobs in a row that failed
   as a whole (every key), open it. While it is open, lookups answer a miss at
   once (no query, no wait; requests already waiting stop waiting) and spills
   are not sent; after a backoff window (1 s, doubling to 60 s) one request (or
   the spills, when they come first) is let through as the probe, and any
   answer in time closes it. A job in flight
-  past ``mooncake_timeout_s`` with no request waiting (a spill) opens it too.
+  past the wait with no request waiting (a spill) opens it too.
   While it is not closed, jobs in flight do not count as pending work: an
   idle engine does not step for jobs stuck on a frozen store; their reports
   are collected at its next step.
@@ -40,11 +41,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
+from kvoffload_hal.scheduler.cascade.base import TierNames
+from kvoffload_hal.scheduler.cascade.breaker import BreakerState, CircuitBreaker
+from kvoffload_hal.scheduler.cascade.index import TierIndex, _Entry
+from kvoffload_hal.scheduler.cascade.spill import JobKind
+from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade, TierStep
 from kvoffload_hal.scheduler.jobs import RankTally
-from kvoffload_hal.tiers.breaker import BreakerState, CircuitBreaker
-from kvoffload_hal.tiers.scheduler_cascade import TierCascade, TierStep
-from kvoffload_hal.tiers.scheduler_index import TierIndex, _Entry
-from kvoffload_hal.tiers.worker_tier import BlockKey
+from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -89,15 +92,16 @@ SPILLS = "(spills)"
 class SharedTierCascade(TierCascade):
     def __init__(self, index: SharedTierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(index, cpu, world_size, stats)
+                 clock: Callable[[], float] = time.monotonic,
+                 names: TierNames = TierNames()) -> None:
+        super().__init__(index, cpu, world_size, stats, names=names)
         self.timeout_s = timeout_s
         self._clock = clock
         self._probes: dict[str, _Probe] = {}
         self._promote_started: dict[str, float] = {}
         self._waiting_since: dict[str, float] = {}  # on another request's promotion
         self._sent_at: dict[int, float] = {}  # jobs in flight not yet found overdue
-        self.breaker = CircuitBreaker("Mooncake tier", timeout_s, self._on_breaker,
+        self.breaker = CircuitBreaker(names.label, timeout_s, self._on_breaker,
                                       clock=clock)
 
     # ------------------------------------------------------- the breaker
@@ -105,9 +109,10 @@ class SharedTierCascade(TierCascade):
         if new is BreakerState.OPEN:
             self._sent_at.clear()  # what is in flight now is the frozen store's: counted
             opened = old is BreakerState.CLOSED
-            self.stats.record_breaker(opened=int(opened), reopened=int(not opened))
+            self.stats.record_breaker(self.names.name, opened=int(opened),
+                                      reopened=int(not opened))
         elif new is BreakerState.CLOSED:
-            self.stats.record_breaker(closed=1)
+            self.stats.record_breaker(self.names.name, closed=1)
 
     def _skip(self, req_id: str) -> bool:
         """The breaker is open: a miss at once, and stop waiting for what was sent."""
@@ -117,7 +122,7 @@ class SharedTierCascade(TierCascade):
             job.req_id = None  # completes (and is published) without the request
         self.release_promoted(req_id)
         self._no_promotion.add(req_id)
-        self.stats.record_breaker(skipped=1)
+        self.stats.record_breaker(self.names.name, skipped=1)
         return False
 
     def _note_overdue(self) -> None:
@@ -135,7 +140,8 @@ class SharedTierCascade(TierCascade):
 
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         if not self.breaker.allow(SPILLS):
-            self.stats.record_breaker(skipped=1)  # not written: recomputed if wanted
+            # Not written: recomputed if wanted.
+            self.stats.record_breaker(self.names.name, skipped=1)
             return
         queued = len(self._queued)
         super().on_published(blocks, hashes)
@@ -188,7 +194,7 @@ class SharedTierCascade(TierCascade):
     def _give_up(self, req_id: str) -> bool:
         self.release_promoted(req_id)  # what it kept while waiting
         self._no_promotion.add(req_id)
-        self.stats.record_mooncake(timeouts=1)
+        self.stats.record_tier(self.names.name, timeouts=1)
         self.breaker.timeout()
         return False
 
@@ -204,7 +210,7 @@ class SharedTierCascade(TierCascade):
         jobs = super().take_jobs()
         new = [p for p in self._probes.values() if p.job_id is None]
         if new:
-            job_id = self._sent.send(TierStep("probe", new))
+            job_id = self._sent.send(TierStep(JobKind.PROBE, new))
             for probe in new:
                 probe.job_id = job_id
             keys = list(dict.fromkeys(k for p in new for k in p.keys))
@@ -217,12 +223,13 @@ class SharedTierCascade(TierCascade):
 
     def on_reports(self, reports: dict[int, JobReport]) -> None:
         failed_blocks = sum(len(r.failed_keys) for j, r in reports.items()
-                            if (step := self._sent.get(j)) is not None and step.kind != "probe")
-        self.stats.record_mooncake(failed=failed_blocks)
+                            if (step := self._sent.get(j)) is not None
+                            and step.kind is not JobKind.PROBE)
+        self.stats.record_tier(self.names.name, failed=failed_blocks)
         super().on_reports(reports)
 
     def _on_done(self, step: TierStep, tally: RankTally) -> None:
-        if step.kind != "probe":
+        if step.kind is not JobKind.PROBE:
             keys = {k for job in step.jobs for k in job.keys}
             failed_as_a_whole = bool(keys) and keys <= tally.failed_keys
             (self.breaker.error if failed_as_a_whole else self.breaker.success)()
@@ -234,15 +241,12 @@ class SharedTierCascade(TierCascade):
             self.index.learn(k for k in probe.keys if k not in probe.missing)
             probe.answered = True
 
-    def _record_moved(self, spilled: int, promoted: int) -> None:
-        self.stats.record_mooncake(spilled=spilled, promoted=promoted)
-
     def reset(self) -> None:
         """Forget what this instance knows; the shared store keeps its objects."""
         super().reset()
         self._probes.clear()
         for step in self._sent.payloads():
-            if step.kind == "probe":
+            if step.kind is JobKind.PROBE:
                 for probe in step.jobs:
                     probe.keys = []  # answered after the reset: learn nothing
 

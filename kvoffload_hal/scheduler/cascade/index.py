@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvoffload_hal.tiers.worker_tier import BlockKey
+from kvoffload_hal.tiers.spec import BlockKey
 
 
 @dataclass

@@ -9,7 +9,7 @@ waits again for the promotion.
 Each step, :class:`Prefetcher` takes the oldest requests added and not yet looked
 up (in arrival order, status ``WAITING``, nothing computed), up to
 ``prefetch_requests`` of them, and for each one not seen before calls
-:meth:`~kvoffload_hal.tiers.scheduler_cascade.TierCascade.lookup` as the
+:meth:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade.lookup` as the
 request's own lookup would from its first block: the promotion is queued under
 the request's id, and its blocks stay pinned for the request until vLLM looks it
 up, which then finds them in the CPU tier (or waits for the promotion in flight
@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.config import OffloadConfig
     from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cascade.tier_cascade import NullCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
-    from kvoffload_hal.tiers.scheduler_cascade import NullCascade
 
 
 class NullPrefetcher:

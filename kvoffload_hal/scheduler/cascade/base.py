@@ -1,0 +1,81 @@
+"""The scheduler half's interface: what ``scheduler/core.py`` calls on a secondary tier.
+
+Runs in the scheduler process. :class:`NullCascade` is the interface with every call
+doing nothing (no secondary tier, or one that cannot run for this model); the real
+one is :class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade`, built from
+the tier's :class:`~kvoffload_hal.tiers.spec.SchedulerHalf` by
+:func:`~kvoffload_hal.scheduler.cascade.build.build_cascade`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvoffload_hal.metadata import JobReport, TierJobs
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+    from kvoffload_hal.scheduler.cpu_tier import Hit
+    from kvoffload_hal.tiers.spec import BlockKey
+
+NO_TIER_JOBS = TierJobs()
+
+
+class TierNames(NamedTuple):
+    """How counters (``blocks_to_<name>``, ...) and log lines (``label``) name a tier."""
+
+    name: str = "tier"
+    label: str = "secondary tier"
+
+
+class NullCascade:
+    """No secondary tier: the scheduler's calls, each doing nothing.
+
+    The interface a secondary tier offers the scheduler, with
+    :class:`TierCascade` the real one.
+    """
+
+    stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)
+
+    def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
+        """``copies_in_flight()``: whether the CPU tier's own loads or stores hold CPU
+        blocks that they release when they end."""
+
+    def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
+        """Blocks were just published in the CPU tier (write-through)."""
+
+    def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
+        """Blocks the workers found from before a restart; ranks done looking."""
+
+    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
+               max_blocks: int | None = None) -> bool:
+        """After a CPU hit ``hit``: True when the request must ask again later.
+        ``max_blocks``: promote at most that many CPU blocks (a prefetch's budget)."""
+        return False
+
+    def held_for(self, req_id: str, promoting_only: bool = False) -> int:
+        """CPU blocks promoted (unless ``promoting_only``), or being promoted, for the
+        request and kept for it."""
+        return 0
+
+    def release_promoted(self, req_id: str) -> None:
+        """Drop the pins kept on blocks promoted for the request (it pinned its hit)."""
+
+    def request_finished(self, req_id: str) -> None:
+        """Forget the request; a promotion in flight completes without it."""
+
+    def take_jobs(self) -> TierJobs:
+        """This step's jobs for the workers."""
+        return NO_TIER_JOBS
+
+    def on_reports(self, reports: dict[int, JobReport]) -> None:
+        """Job reports from the workers, summed over ranks."""
+
+    def reset(self) -> None:
+        """Forget every entry; jobs in flight finish but are not published."""
+
+    def has_pending(self) -> bool:
+        return False
