@@ -8,7 +8,7 @@ backend (registry data: no backend module is imported, no device is touched):
   load errors back to requests only then (block ids are per group), and
   synchronous loads rely on that mapping.
 * ``load_recovery``: how vLLM learns of a failed load, so that it recomputes
-  instead of reading the blocks (see :data:`LOAD_RECOVERIES`).
+  instead of reading the blocks (see :class:`LoadRecovery`).
 * ``synchronous_compute``: the backend's forward pass has finished when the
   worker submits a step's copies (vLLM's CPU platform), as the HAL states.
 * ``sync_loads``: ``load_mode`` resolved; ``tier``: the name of the secondary
@@ -18,6 +18,7 @@ backend (registry data: no backend module is imported, no device is touched):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from kvoffload_hal import vllm_compat
@@ -28,17 +29,17 @@ from kvoffload_hal.tiers.registry import tier_runs
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-# How vLLM is kept from reading the blocks of a failed load:
-LOAD_RECOVERIES = {
-    "blocks": "the device blocks that failed are reported; vLLM recomputes from the first",
-    "requests": "the request is reported failed (KVConnectorOutput.failed_recving)",
+class LoadRecovery(Enum):
+    """How vLLM is kept from reading the blocks of a failed load (the value says it)."""
+
+    BLOCKS = "the device blocks that failed are reported; vLLM recomputes from the first"
+    REQUESTS = "the request is reported failed (KVConnectorOutput.failed_recving)"
     # vLLM < 0.32 with several groups: its invalid-block path reads one group
     # per request, and rewinding a request to its valid tokens is not safe
     # (vLLM releases sliding-window and Mamba blocks behind the tokens it
     # counts as computed), so the copy is tried again.
-    "retry": "the copy is tried again from the CPU blocks it holds; if it fails again the "
-             "engine stops with an error, before any block is read",
-}
+    RETRY = ("the copy is tried again from the CPU blocks it holds; if it fails again the "
+             "engine stops with an error, before any block is read")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Capabilities:
     synchronous_compute: bool
     sync_loads: bool
     tier: str | None = None
-    load_recovery: str = "blocks"
+    load_recovery: LoadRecovery = LoadRecovery.BLOCKS
 
     @property
     def secondary_tier(self) -> bool:
@@ -81,8 +82,8 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
                         load_recovery=_load_recovery(kv_cache_config))
 
 
-def _load_recovery(kv_cache_config: KVCacheConfig) -> str:
+def _load_recovery(kv_cache_config: KVCacheConfig) -> LoadRecovery:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) == 1:
-        return "blocks"
-    return "requests" if vllm_compat.REPORTS_FAILED_RECVING else "retry"
+        return LoadRecovery.BLOCKS
+    return LoadRecovery.REQUESTS if vllm_compat.REPORTS_FAILED_RECVING else LoadRecovery.RETRY

@@ -16,7 +16,7 @@ what                               missing before      here
                                                        reported per block for one KV
                                                        cache group only; with more,
                                                        a failed load is sent again
-                                                       (``load_recovery`` "retry")
+                                                       (``LoadRecovery.RETRY``)
 ``get_kv_cache_coordinator``       (changed)           :func:`make_coordinator` passes
 keyword arguments                                      the arguments the factory names
 ``find_longest_cache_hit``         (2 values, not 3)   :func:`find_longest_cache_hit`
@@ -36,6 +36,11 @@ by source)                                             connector's hits count as
 ``has_pending_push_work``          0.32 (never         see ``HALOffloadConnector``: the
                                    called before)      last stores of an idle engine
                                                        wait for its next step
+``has_positionally_stable_blocks``  0.32                :func:`positionally_stable`:
+(Mamba 'align' state)                                  older managers keep a block per
+                                                       position
+``CacheConfig                      (build-dependent)   :func:`prefix_caching_hash_algo`
+.prefix_caching_hash_algo``
 =================================  ==================  ===============================
 """
 
@@ -84,6 +89,22 @@ except ImportError:
 
 
 # ---------------------------------------------------------------- connector
+def failed_recving(output: KVConnectorOutput) -> set[str]:
+    """Requests whose asynchronous load failed, as vLLM collected them (empty before 0.32)."""
+    return getattr(output, "failed_recving", None) or set()
+
+
+def prefix_caching_hash_algo(vllm_config: VllmConfig) -> str | None:
+    """The block-hash algorithm of vLLM's prefix cache, where the build names one."""
+    return getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
+
+
+def positionally_stable(manager: Any) -> bool:
+    """A KV cache group's manager keeps one block per position for a request's lifetime
+    (False for Mamba state in 'align' mode, which replaces it as the request runs)."""
+    return getattr(manager, "has_positionally_stable_blocks", True)
+
+
 def transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> Any:
     """The value of ``get_transfer_results`` (only releases that have the type call it)."""
     if _TransferResults is None:

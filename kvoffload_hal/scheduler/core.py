@@ -33,7 +33,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.capabilities import LOAD_RECOVERIES, resolve_capabilities
+from kvoffload_hal.capabilities import LoadRecovery, resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata
@@ -43,6 +43,7 @@ from kvoffload_hal.scheduler.cascade.prefetch import build_prefetcher
 from kvoffload_hal.scheduler.cascade.staged import StagedHits
 from kvoffload_hal.scheduler.cpu_tier import CpuTier
 from kvoffload_hal.scheduler.load_jobs import LoadJobs
+from kvoffload_hal.scheduler.parts import RequestPart
 from kvoffload_hal.scheduler.store_jobs import StoreJobs
 from kvoffload_hal.scheduler.store_policy import (
     EagerPolicy,
@@ -84,13 +85,14 @@ class OffloadScheduler:
         self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size)
         self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads,
                               recovery=self._say_load_recovery())
-        self.staged = StagedHits(self.cascade, self.cpu, self.stats, self.world_size,
-                                 block_size, self.loads.job_ids,
-                                 enabled=self.caps.load_recovery != "retry",
-                                 note_wait=self.loads.note_wait)
+        self.staged = StagedHits(self.cascade, self.loads, self.cpu, self.stats, block_size,
+                                 enabled=self.caps.load_recovery is not LoadRecovery.RETRY)
         self.cascade.bind_copies(self._copies_in_flight)
         self.prefetch = build_prefetcher(config, self.caps.secondary_tier, self.cpu,
                                          self.cascade, block_size, self.stats)
+        # Every event of a request's or a step's life goes to each part, in this order.
+        self._parts: tuple[RequestPart, ...] = (self.prefetch, self.loads, self.staged,
+                                                self.cascade)
         self.gpu_pool: BlockPool | None = None
         # Requests answered with an asynchronous load, and those whose load landed
         # (vLLM < 0.32: see _lets_landed_loads_in).
@@ -104,17 +106,17 @@ class OffloadScheduler:
             "sync" if self.caps.sync_loads else "async",
         )
 
-    def _say_load_recovery(self) -> str:
+    def _say_load_recovery(self) -> LoadRecovery:
         """Say once how a failed load is kept from being read, where it is not
         vLLM's own per-block or per-request report (load_jobs.py)."""
         recovery = self.caps.load_recovery
-        if recovery == "retry":
+        if recovery is LoadRecovery.RETRY:
             logger.info("HALOffloadConnector: this vLLM takes failed KV loads per block for "
                         "one KV cache group only (no KVConnectorOutput.failed_recving); for "
                         "this model's %d groups, on a failed load %s. vLLM >= 0.32 "
                         "recomputes instead; so does --disable-hybrid-kv-cache-manager for "
                         "sliding-window models (one group)", len(self.cpu.group_block_sizes),
-                        LOAD_RECOVERIES[recovery])
+                        recovery.value)
         return recovery
 
     @property
@@ -126,8 +128,8 @@ class OffloadScheduler:
         self.gpu_pool = gpu_pool
         self.policy.bind(gpu_pool)
         self.stores.bind(gpu_pool)
-        self.loads.bind(gpu_pool)
-        self.staged.bind(gpu_pool)
+        for part in self._parts:
+            part.bind(gpu_pool)
 
     # --------------------------------------------------------------- loads
     def on_new_request(self, request: Request) -> None:
@@ -136,9 +138,8 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        self.prefetch.forget(req_id)
-        self.loads.release_hit(req_id)
-        self.staged.release_pending(req_id)
+        for part in self._parts:
+            part.on_lookup(req_id)
         if self._landed_loads and self._lets_landed_loads_in():
             return None, False  # vLLM's scan goes on to the requests whose load landed
         if self.loads.in_flight(req_id):
@@ -155,8 +156,7 @@ class OffloadScheduler:
             return None, False  # another request's load brings these blocks: ask later
         # Without a secondary tier a CPU miss is final (most waiting requests, most steps).
         # After a failed load, the slower tiers' copy is not tried again for the request.
-        if self.caps.secondary_tier and not (req_id in self.loads.failed_requests
-                                             or req_id in self.staged.failed_requests):
+        if self.caps.secondary_tier and req_id not in self.loads.failed_requests:
             staged = self.staged.offer(request, hit, hit_tokens, num_computed_tokens,
                                        max_hit_tokens)
             if staged is None:
@@ -204,8 +204,8 @@ class OffloadScheduler:
         picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)
         self.stores.queue(picker)
-        self.loads.release_unallocated()
-        self.staged.release_unallocated()
+        for part in self._parts:
+            part.release_unallocated()
         self.prefetch.step()
         self.staged.advance()
         load = self.loads.take_job()
@@ -216,17 +216,16 @@ class OffloadScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         meta = meta if isinstance(meta, OffloadWorkerMetadata) else None
-        self.loads.on_transfer_results(output, meta.failed_loads if meta else set())
         if meta is not None:
-            for job, report in meta.rounds.items():
-                self.staged.on_round_report(job, report)
+            self.loads.on_failed_loads(meta.failed_loads)
+            for job, report in (*meta.rounds.items(), *meta.loads.items()):
+                self.loads.on_report(job, report)  # staged rounds are load jobs too
             for job, report in meta.stores.items():
                 self.stores.on_report(job, report)
-            for job, report in meta.loads.items():
-                self.loads.on_report(job, report)
             self.cascade.on_reports(meta.tier)
             self.cascade.on_found(meta.tier_found, meta.tier_scans_done)
-        self.staged.on_transfer_results(output)
+        for part in self._parts:
+            part.on_transfer_results(output)
         for req_id in output.finished_recving or ():
             request = self._async_loads.pop(req_id, None)
             if request is not None:
@@ -237,24 +236,23 @@ class OffloadScheduler:
                          block_ids: Sequence[list[int]]) -> tuple[bool, None]:
         """Returns True while a load for the request is in flight (blocks freed later)."""
         req_id = request.request_id
-        self.loads.release_hit(req_id)
-        self.prefetch.forget(req_id)
         self._async_loads.pop(req_id, None)
         self._landed_loads.pop(req_id, None)
-        self.cascade.request_finished(req_id)
+        # Device blocks of stores are pinned by the store job, so they never
+        # delay the request; a load in flight does.
+        copying = [part.request_finished(req_id) for part in self._parts]
         picker = self.stores.picker()
         self.policy.on_finished(request, block_ids, picker)
         self.stores.queue(picker)
-        # Device blocks of stores are pinned by the store job, so they never
-        # delay the request; a load in flight does.
-        staged = self.staged.request_finished(req_id)
-        return self.loads.request_finished(req_id) or staged, None
+        return any(copying), None
 
     # --------------------------------------------------------------- misc
     def reset_cache(self) -> bool:
-        """Forget every CPU prefix; copies in flight finish but are not published."""
-        self.loads.reset()
-        self.cascade.reset()
+        """Forget every CPU prefix; copies in flight finish but are not published.
+        Staged hits stop at the blocks already promoted and prefetches let go of what
+        they hold (docs/design.md, "Resetting the cache")."""
+        for part in self._parts:
+            part.reset()
         self.cpu.drop_all()
         self.stores.reset()
         self.policy.reset()
@@ -270,8 +268,8 @@ class OffloadScheduler:
         # Blocks left to store keep an idle engine stepping only while the CPU
         # tier has room for them (with none and no copy in flight, nothing changes).
         leftovers = self.policy.has_pending() and self.cpu.num_free_blocks() > 0
-        return bool(self.loads.has_pending() or self.stores.has_pending()
-                    or self.cascade.has_pending() or self.staged.has_pending() or leftovers)
+        return (leftovers or self.stores.has_pending()
+                or any(part.has_pending() for part in self._parts))
 
     def _copies_in_flight(self) -> bool:
         """Loads or stores hold CPU blocks until they end (a promotion waits for them)."""

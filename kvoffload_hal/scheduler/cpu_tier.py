@@ -93,8 +93,7 @@ class CpuTier:
         # next step: eager stores cannot take it, lazy ones can (see scheduler).
         self.unstable_groups = [
             g for g in cacheable
-            if not getattr(self.coordinator.single_type_managers[g],
-                           "has_positionally_stable_blocks", True)]
+            if not vllm_compat.positionally_stable(self.coordinator.single_type_managers[g])]
         self.cacheable_groups = [g for g in cacheable if g not in self.unstable_groups]
         self.prefix_groups = list(cacheable)
         # Groups whose hit needs every block before its end (full attention,

@@ -1,4 +1,9 @@
-"""CPU->device load jobs, from a CPU hit to its release.
+"""CPU->device load jobs, from a CPU hit to its release: the one book of every load.
+
+Runs in the scheduler process. Plain loads are planned here; a staged hit's rounds
+(:mod:`~kvoffload_hal.scheduler.cascade.staged`) are load jobs of the same book: one id
+sequence (the workers' copy queues go by job id), one count of rank reports, one set of
+*busy* CPU blocks, one set of requests whose load failed, one device pool.
 
 A load goes through four states:
 
@@ -24,7 +29,7 @@ the next request's own hit or recompute.
 
 A failed load is recomputed by vLLM. Where vLLM cannot be told per request
 (vLLM < 0.32, a model with several KV cache groups; see
-:data:`~kvoffload_hal.capabilities.LOAD_RECOVERIES`), the load is sent again
+:class:`~kvoffload_hal.capabilities.LoadRecovery`), the load is sent again
 (the workers withhold a failed request from ``finished_recving``), and after
 :data:`MAX_LOAD_ATTEMPTS` the engine stops with an error, before any of its
 blocks is read.
@@ -33,14 +38,18 @@ blocks is read.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.utils.math_utils import cdiv
 
+from kvoffload_hal import vllm_compat
+from kvoffload_hal.capabilities import LoadRecovery
 from kvoffload_hal.metadata import JobReport, LoadSpec
 from kvoffload_hal.scheduler.cpu_tier import Hit, pin_ids, unpin_ids
 from kvoffload_hal.scheduler.jobs import JobBook
+from kvoffload_hal.scheduler.parts import RequestPart
 
 MAX_LOAD_ATTEMPTS = 3
 
@@ -70,6 +79,16 @@ class _Load:
     attempts: int = 0
 
 
+@dataclass(frozen=True)
+class RoundJob:
+    """A staged hit's round: the CPU blocks it reads, and who is told when every rank
+    reported it (``on_done(job, ok)``)."""
+
+    req_id: str
+    cpu_blocks: list[KVCacheBlock]
+    on_done: Callable[[RoundJob, bool], None]
+
+
 class _PendingHit(NamedTuple):
     """A CPU hit found by a lookup, pinned until the request's allocation."""
 
@@ -77,9 +96,9 @@ class _PendingHit(NamedTuple):
     num_computed_tokens: int
 
 
-class LoadJobs:
+class LoadJobs(RequestPart):
     def __init__(self, cpu: CpuTier, stats: StatsLedger, world_size: int,
-                 sync_loads: bool, recovery: str = "blocks") -> None:
+                 sync_loads: bool, recovery: LoadRecovery = LoadRecovery.BLOCKS) -> None:
         """``recovery``: how vLLM learns of a failed load (see the module docstring)."""
         self.cpu = cpu
         self.stats = stats
@@ -89,8 +108,9 @@ class LoadJobs:
         self.gpu_pool: BlockPool | None = None
         self._pending_hits: dict[str, _PendingHit] = {}
         self._loads: dict[str, _Load] = {}
-        # Synchronous jobs are reported by every rank; asynchronous ones per request.
-        self._jobs: JobBook[list[str]] = JobBook(world_size)
+        # Synchronous jobs and staged rounds are reported by every rank; asynchronous
+        # loads per request (finished_recving).
+        self._jobs: JobBook[list[str] | RoundJob] = JobBook(world_size)
         # CPU blocks a planned or unreported load reads, and those of loads that
         # ended since the last step (the device caches them in the next one).
         self._busy: Counter[int] = Counter()
@@ -103,10 +123,32 @@ class LoadJobs:
     def bind(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
 
-    @property
-    def job_ids(self):
-        """The id sequence of load jobs, for other jobs that load (staged hits' rounds)."""
-        return self._jobs.ids
+    # ------------------------------------------- the book other loads share
+    def new_job_id(self) -> int:
+        """An id for a load whose end comes as ``finished_recving``, not as reports."""
+        return self._jobs.new_id()
+
+    def send_round(self, round_job: RoundJob) -> int:
+        """A staged round's id; ``round_job.on_done`` once every rank reported it."""
+        return self._jobs.send(round_job)
+
+    def hold_busy(self, block_ids: Iterable[int]) -> None:
+        """CPU blocks a copy to the device is about to read: other requests wait."""
+        self._busy.update(block_ids)
+
+    def release_busy(self, block_ids: Iterable[int]) -> None:
+        self._busy.subtract(block_ids)
+        self._busy = +self._busy
+
+    def is_busy(self, block_id: int) -> bool:
+        return block_id in self._busy
+
+    def pin_device(self, gpu_ids: Iterable[int]) -> None:
+        """Keep device blocks a copy writes ours, should the request be aborted mid-copy."""
+        pin_ids(self._gpu_pool(), gpu_ids)
+
+    def unpin_device(self, gpu_ids: Iterable[int]) -> None:
+        unpin_ids(self._gpu_pool(), gpu_ids)
 
     def in_flight(self, req_id: str) -> bool:
         """A load for the request is planned or sent and not over."""
@@ -168,10 +210,9 @@ class LoadJobs:
                     taken.append(cpu_block)
         self.cpu.pin(taken)
         self.cpu.unpin_hit(pending.blocks)
-        # The request could be aborted mid-copy: keep its device blocks ours.
-        pin_ids(self._gpu_pool(), gpu_ids)
+        self.pin_device(gpu_ids)
         cpu_ids = [b.block_id for b in taken]
-        self._busy.update(cpu_ids)
+        self.hold_busy(cpu_ids)
         self._loads[req_id] = _Load(gpu_ids, cpu_ids, num_external_tokens)
 
     # --------------------------------------------------------- send, report
@@ -180,10 +221,8 @@ class LoadJobs:
         before this step was scheduled are in the device prefix cache now: their
         blocks are no longer busy."""
         if self._landed:
-            for cpu_ids in self._landed:
-                self._busy.subtract(cpu_ids)
+            self.release_busy(b for cpu_ids in self._landed for b in cpu_ids)
             self._landed.clear()
-            self._busy = +self._busy  # without the blocks no load reads any more
         new_loads = [(r, ld) for r, ld in self._loads.items() if ld.job_id is None]
         if not new_loads:
             return None
@@ -197,16 +236,18 @@ class LoadJobs:
             gpu_blocks += load.gpu_ids
         return LoadSpec(job, tuple(req_ids), cpu_blocks, gpu_blocks, self.sync_loads)
 
-    def on_transfer_results(self, output: KVConnectorOutput, failed_loads: set[str]) -> None:
-        """Asynchronous loads that ended, as vLLM collected them from the workers;
-        ``failed_loads``: requests a rank reported failed in its metadata (a rank
-        may report before the others finish)."""
-        if self.recovery == "retry":
+    def on_failed_loads(self, failed_loads: set[str]) -> None:
+        """Requests a rank reported failed in its metadata (a rank may report before the
+        others finish)."""
+        if self.recovery is LoadRecovery.RETRY:
             self._send_again(failed_loads)
         else:
             self._failed.update(r for r in failed_loads if r in self._loads)
+
+    def on_transfer_results(self, output: KVConnectorOutput) -> None:
+        """Asynchronous loads that ended, as vLLM collected them from the workers."""
         invalid = output.invalid_block_ids or set()
-        failed = getattr(output, "failed_recving", None) or set()  # vLLM >= 0.32
+        failed = vllm_compat.failed_recving(output)
         for req_id in output.finished_recving or ():
             load = self._loads.pop(req_id, None)
             if load is None:
@@ -232,9 +273,13 @@ class LoadJobs:
             load.job_id = None
 
     def on_report(self, job: int, report: JobReport) -> None:
-        """A synchronous load job's report: the blocks stay pinned until every rank read them."""
+        """A synchronous load job's or a staged round's report: the blocks stay pinned
+        until every rank read them."""
         done = self._jobs.report(job, report)
         if done is None:
+            return
+        if isinstance(done.payload, RoundJob):
+            done.payload.on_done(done.payload, not done.tally.failed)
             return
         for req_id in done.payload:
             # A failure was reported to vLLM as load errors by the workers.
@@ -255,7 +300,7 @@ class LoadJobs:
     def _release(self, load: _Load) -> None:
         self._landed.append(load.cpu_ids)
         self.cpu.unpin_ids(load.cpu_ids)
-        unpin_ids(self._gpu_pool(), load.gpu_ids)
+        self.unpin_device(load.gpu_ids)
 
     # ------------------------------------------------------------ finishing
     def request_finished(self, req_id: str) -> bool:
@@ -276,6 +321,9 @@ class LoadJobs:
         # will still be reported in finished_recving: vLLM must keep the request
         # (and free its blocks) until then.
         return not self.sync_loads
+
+    def on_lookup(self, req_id: str) -> None:
+        self.release_hit(req_id)
 
     def reset(self) -> None:
         """Release every hit waiting for an allocation; loads in flight run to their end."""

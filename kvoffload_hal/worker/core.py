@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvoffload_hal import vllm_compat
 from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.hal import Direction, DmaCopyBackend, JobResult, TransferJob, create_backend
@@ -112,7 +113,7 @@ class OffloadWorker:
                 self.rank, self.world_size, self.host.chunks, self.host.region_views(),
                 kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank,
                                self.kv_cache_config),
-                getattr(self.vllm_config.cache_config, "prefix_caching_hash_algo", None)))
+                vllm_compat.prefix_caching_hash_algo(self.vllm_config)))
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB in %d host allocation(s)) on the %r backend",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvoffload_hal.capabilities import LoadRecovery
 from kvoffload_hal.metadata import JobReport, LoadSpec, OffloadWorkerMetadata
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ class LoadOutcomes:
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         self.error_blocks: set[int] = set()
-        self._reported: set[str] = set()  # load recovery "retry" only
+        self._reported: set[str] = set()  # LoadRecovery.RETRY only
         self._failed_rounds: dict[str, list[int]] = {}  # staged hits: until the last round
 
     def on_result(self, load: LoadSpec, job_id: int, ok: bool,
@@ -45,7 +46,7 @@ class LoadOutcomes:
             reports.loads[job_id] = JobReport(failed=not ok)
             if not ok:
                 self.error_blocks.update(load.gpu_blocks)
-        elif self.caps.load_recovery == "retry":
+        elif self.caps.load_recovery is LoadRecovery.RETRY:
             self._on_attempt(load, ok, reports)
         else:
             self.finished.update(load.req_ids)

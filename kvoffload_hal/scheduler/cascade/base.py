@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvoffload_hal.metadata import JobReport, TierJobs
+from kvoffload_hal.scheduler.parts import RequestPart
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -31,7 +32,7 @@ class TierNames(NamedTuple):
     label: str = "secondary tier"
 
 
-class NullCascade:
+class NullCascade(RequestPart):
     """No secondary tier: the scheduler's calls, each doing nothing.
 
     The interface a secondary tier offers the scheduler, with
@@ -64,8 +65,10 @@ class NullCascade:
     def release_promoted(self, req_id: str) -> None:
         """Drop the pins kept on blocks promoted for the request (it pinned its hit)."""
 
-    def request_finished(self, req_id: str) -> None:
-        """Forget the request; a promotion in flight completes without it."""
+    def request_finished(self, req_id: str) -> bool:
+        """Forget the request; a promotion in flight completes without it (False: it
+        never holds the request's device blocks)."""
+        return False
 
     def take_jobs(self) -> TierJobs:
         """This step's jobs for the workers."""

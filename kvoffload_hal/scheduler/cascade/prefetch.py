@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.request import RequestStatus
 
+from kvoffload_hal.scheduler.parts import RequestPart
+
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
 
 
-class NullPrefetcher:
+class NullPrefetcher(RequestPart):
     """No lookahead: the scheduler's calls, each doing nothing."""
 
     def add(self, request: Request) -> None:
@@ -58,6 +60,13 @@ class NullPrefetcher:
 
     def forget(self, req_id: str) -> None:
         """vLLM looked the request up, or it finished: release what it holds."""
+
+    def on_lookup(self, req_id: str) -> None:
+        self.forget(req_id)
+
+    def request_finished(self, req_id: str) -> bool:
+        self.forget(req_id)
+        return False
 
     def step(self) -> None:
         """Queue promotions for the requests next in line (once per engine step)."""
@@ -92,6 +101,14 @@ class Prefetcher(NullPrefetcher):
         hit = self._seen.pop(req_id, None)
         if hit:
             self.cpu.unpin(hit)
+
+    def reset(self) -> None:
+        """vLLM's prefix cache was reset: the CPU hits held for waiting requests are let
+        go (their hashes are dropped); a request still waiting is looked at again."""
+        for hit in self._seen.values():
+            if hit:
+                self.cpu.unpin(hit)
+        self._seen.clear()
 
     def num_held_blocks(self) -> int:
         return sum(self.cascade.held_for(req_id) + len(hit)

@@ -198,11 +198,11 @@ class SharedTierCascade(TierCascade):
         self.breaker.timeout()
         return False
 
-    def request_finished(self, req_id: str) -> None:
-        super().request_finished(req_id)
+    def request_finished(self, req_id: str) -> bool:
         self._probes.pop(req_id, None)
         self._promote_started.pop(req_id, None)
         self._waiting_since.pop(req_id, None)
+        return super().request_finished(req_id)
 
     # ---------------------------------------------------------- per step
     def take_jobs(self) -> TierJobs:

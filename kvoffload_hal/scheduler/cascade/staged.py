@@ -29,21 +29,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
 
+from kvoffload_hal import vllm_compat
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.metadata import JobReport, LoadSpec
-from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
-from kvoffload_hal.scheduler.jobs import JobBook
+from kvoffload_hal.metadata import LoadSpec
+from kvoffload_hal.scheduler.load_jobs import RoundJob
+from kvoffload_hal.scheduler.parts import RequestPart
 
 if TYPE_CHECKING:
-    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.outputs import KVConnectorOutput
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
+    from kvoffload_hal.scheduler.load_jobs import LoadJobs
 
 # The longest a staged hit waits for a free CPU block before the rest is recomputed.
 MAX_STAGE_WAIT_S = 10.0
@@ -94,22 +95,25 @@ class _Staged:
         self.failed_at = position if self.failed_at is None else min(self.failed_at, position)
 
 
-WAIT = "wait"  # _plan_run: the request asks again later
+class NotStaged(Enum):
+    """Why :func:`_plan_run` stages nothing."""
+
+    FITS = "a promotion serves the run whole, or there is nothing to get"
+    WAIT = "another request's promotion brings a block of the run: ask again later"
 
 
 def _plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[KVCacheBlock],
               entries: Iterator[tuple[str, Any]], block_size: int,
-              now: float) -> _Staged | str | None:
+              now: float) -> _Staged | NotStaged:
     """The run of the tier's blocks after the hit, when it is longer than the room a
-    promotion has (else a promotion serves it whole, or there is nothing to get), or
-    :data:`WAIT`."""
+    promotion has; else why not."""
     if cascade.held_for(req_id, promoting_only=True):
-        return None  # its promotion (a prefetch) is in flight: the cascade waits for it
+        return NotStaged.FITS  # its promotion (a prefetch) is in flight: the cascade waits
     held: list[tuple[int, KVCacheBlock]] = list(enumerate(hit_blocks))
     tier: list[tuple[int, str, Any]] = []
     for pos, (key, block_hash) in enumerate(entries, start=len(hit_blocks)):
         if cascade.is_promoting(key):
-            return WAIT  # another request's promotion brings it: the request waits
+            return NotStaged.WAIT
         cached = cpu.cached([block_hash])
         if cached:
             held.append((pos, cached[0]))
@@ -119,7 +123,7 @@ def _plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[
             break
     # The room a promotion has once the CPU blocks of the hit and run are pinned.
     if len(tier) <= cascade.room() - sum(1 for _, b in held if b.ref_cnt == 0):
-        return None
+        return NotStaged.FITS
     # Every position of the run, the CPU blocks after its last tier block too: vLLM asks
     # for a request's external tokens once.
     last = max(tier[-1][0], held[-1][0] if held else 0)
@@ -137,33 +141,29 @@ class _Round:
     failed: tuple[int, ...] | None = None
 
 
-class StagedHits:
-    """The staged hits of one scheduler: offered at lookup, advanced every step."""
+class StagedHits(RequestPart):
+    """The staged hits of one scheduler: offered at lookup, advanced every step.
 
-    def __init__(self, cascade: TierCascade, cpu: CpuTier, stats: StatsLedger,
-                 world_size: int, block_size: int, job_ids: Iterator[int], enabled: bool,
-                 note_wait: Callable[[str], None],
+    Rounds are load jobs of ``loads`` (the one book of loads): their ids, rank reports,
+    busy CPU blocks, failed requests and device pins are kept there. Its own: the hits
+    offered and served, and which tier keys each one is bringing.
+    """
+
+    def __init__(self, cascade: TierCascade, loads: LoadJobs, cpu: CpuTier,
+                 stats: StatsLedger, block_size: int, enabled: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``job_ids``, ``note_wait``: LoadJobs' id sequence (rounds are loads) and counter."""
-        self.note_wait = note_wait
         self.cascade = cascade
+        self.loads = loads
         self.cpu = cpu
         self.stats = stats
         self.block_size = block_size
         self.enabled = enabled and cascade.stages and len(cascade.groups.groups) == 1
         self._clock = clock
-        self._rounds: JobBook[tuple[str, list[KVCacheBlock]]] = JobBook(world_size, job_ids)
         self._pending: dict[str, _Staged] = {}  # offered, not allocated yet
         self._active: dict[str, _Staged] = {}
         self._queued: list[_Round] = []
         self._owners: dict[str, str] = {}  # tier key -> the request staging it
-        self._busy: Counter[int] = Counter()  # CPU blocks a staged hit holds
-        self._landed: list[_Staged] = []  # over: busy until the next step
-        self.failed_requests: set[str] = set()  # as LoadJobs.failed_requests
-        self.gpu_pool: BlockPool | None = None
-
-    def bind(self, gpu_pool: BlockPool) -> None:
-        self.gpu_pool = gpu_pool
+        self._landed: list[_Staged] = []  # over: its keys stay owned until the next step
 
     # ------------------------------------------------------------- lookup
     def offer(self, request: Request, hit: Hit, hit_tokens: int, num_computed_tokens: int,
@@ -176,25 +176,28 @@ class StagedHits:
         first = (num_computed_tokens + hit_tokens) // bs
         positions = request.block_hashes[first:(num_computed_tokens + max_hit_tokens) // bs]
         hit_blocks = hit[0] if hit else []
-        if (self._owners and any(k in self._owners for k in self.cascade.groups.keys(positions))
-                ) or (self._busy and any(b.block_id in self._busy for b in hit_blocks)):
-            self.note_wait(request.request_id)
+        # (A hit on busy CPU blocks waited already: LoadJobs.wait_for_shared_load.)
+        if self._owners and any(k in self._owners for k in self.cascade.groups.keys(positions)):
+            self.loads.note_wait(request.request_id)
             return None
         entries = (self.cascade.groups.at(bh)[0] for bh in positions)
         staged = _plan_run(self.cascade, self.cpu, request.request_id, hit_blocks, entries,
                            bs, self._clock())
-        if staged is WAIT:
+        if staged is NotStaged.WAIT:
             return None
-        if staged is None:
+        if staged is NotStaged.FITS:
             return 0
         staged.num_computed_tokens = num_computed_tokens
         self.cpu.pin([b for _, b in staged.cpu])
-        self._busy.update(b.block_id for _, b in staged.cpu)
+        self.loads.hold_busy(b.block_id for _, b in staged.cpu)
         self.cascade.index.pin(staged.keys)
         self._owners.update((key, staged.req_id) for key in staged.keys)
         self._pending[staged.req_id] = staged
         self.cascade.release_promoted(staged.req_id)  # a prefetch's blocks: pinned above
         return staged.num_tokens
+
+    def on_lookup(self, req_id: str) -> None:
+        self.release_pending(req_id)
 
     def release_pending(self, req_id: str) -> None:
         """A hit offered and never allocated (vLLM looks the request up again)."""
@@ -206,8 +209,7 @@ class StagedHits:
         """Stop holding the positions from ``n`` on (before any round was sent)."""
         cpu_blocks = [b for pos, b in staged.cpu if pos >= n]
         self.cpu.unpin(cpu_blocks)
-        self._busy.subtract(b.block_id for b in cpu_blocks)
-        self._busy = +self._busy
+        self.loads.release_busy(b.block_id for b in cpu_blocks)
         keys = [key for pos, key, _ in staged.tier if pos >= n]
         self.cascade.index.unpin(keys)
         for key in keys:
@@ -228,7 +230,7 @@ class StagedHits:
             return True
         first = staged.num_computed_tokens // self.block_size
         staged.gpu_ids = list(blocks.get_block_ids()[0][first:first + n])
-        pin_ids(self._gpu_pool(), staged.gpu_ids)  # ours until the last round landed
+        self.loads.pin_device(staged.gpu_ids)  # ours until the last round landed
         staged.ready = [(b, staged.gpu_ids[pos]) for pos, b in staged.cpu]
         staged.num_tokens = min(staged.num_tokens, num_external_tokens)
         staged.since = self._clock()
@@ -291,7 +293,7 @@ class StagedHits:
         if n_ok < len(part):
             staged.fail_from(part[n_ok][0])
         ok = list(zip(blocks[:n_ok], (staged.gpu_ids[pos] for pos, _, _ in part)))
-        self._busy.update(b.block_id for b, _ in ok)
+        self.loads.hold_busy(b.block_id for b, _ in ok)
         staged.ready += ok
 
     def _send_round(self, staged: _Staged) -> None:
@@ -318,37 +320,34 @@ class StagedHits:
         for r in self._queued:
             cpu_ids = [b.block_id for b in r.cpu_blocks]
             if r.failed is None:
-                job_id = self._rounds.send((r.req_id, r.cpu_blocks))
+                job_id = self.loads.send_round(RoundJob(r.req_id, r.cpu_blocks,
+                                                        self._on_round_done))
                 specs.append(LoadSpec(job_id, (r.req_id,), cpu_ids, r.gpu_ids, staged=True,
                                       final=False))
             else:
-                specs.append(LoadSpec(self._rounds.new_id(), (r.req_id,), cpu_ids, r.gpu_ids,
+                specs.append(LoadSpec(self.loads.new_job_id(), (r.req_id,), cpu_ids, r.gpu_ids,
                                       staged=True, final=True, failed_gpu_blocks=r.failed))
         self._queued.clear()
         return tuple(specs)
 
     # ------------------------------------------------------------ reports
-    def on_round_report(self, job_id: int, report: JobReport) -> None:
-        done = self._rounds.report(job_id, report)
-        if done is None:
-            return
-        req_id, cpu_blocks = done.payload
-        staged = self._active[req_id]
+    def _on_round_done(self, job: RoundJob, ok: bool) -> None:
+        """Every rank reported a round (LoadJobs.on_report)."""
+        staged = self._active[job.req_id]
         staged.rounds -= 1
-        self._release(cpu_blocks, not done.tally.failed)
-        if done.tally.failed:
+        self._release(job.cpu_blocks, ok)
+        if not ok:
             staged.fail_from(0)  # the workers report its blocks with the last round
 
     def _release(self, cpu_blocks: list[KVCacheBlock], ok: bool) -> None:
         ids = [b.block_id for b in cpu_blocks]
         (self.cpu.record_load if ok else self.cpu.drop)(ids)  # a failed copy: not offered
         self.cpu.unpin(cpu_blocks)
-        self._busy.subtract(ids)
-        self._busy = +self._busy
+        self.loads.release_busy(ids)
 
     def on_transfer_results(self, output: KVConnectorOutput) -> None:
         """Last rounds that landed on every rank: the hit is over."""
-        failed = getattr(output, "failed_recving", None) or set()
+        failed = vllm_compat.failed_recving(output)
         invalid = output.invalid_block_ids or set()
         for req_id in output.finished_recving or ():
             staged = self._active.get(req_id)
@@ -360,13 +359,13 @@ class StagedHits:
                 self.stats.record_load(len(staged.gpu_ids), staged.num_tokens)
                 self.stats.record_staged_hit()
             elif not ok:
-                self.failed_requests.add(req_id)
+                self.loads.failed_requests.add(req_id)
             # A failure names blocks (then only those of this round were not copied) or
             # the request: then this round's blocks may be torn, and are dropped.
             torn = not ok and (req_id in failed
                                or bool(invalid.intersection(staged.final_gpu_ids)))
             self._release(staged.final_blocks, not torn)
-            unpin_ids(self._gpu_pool(), staged.gpu_ids)
+            self.loads.unpin_device(staged.gpu_ids)
             self.cascade.index.unpin(staged.keys)
             self._landed.append(staged)  # its keys stay owned until the next step
 
@@ -374,16 +373,21 @@ class StagedHits:
     def request_finished(self, req_id: str) -> bool:
         """True while vLLM must keep the request's blocks (its last round is to come)."""
         self.release_pending(req_id)
-        self.failed_requests.discard(req_id)
         staged = self._active.get(req_id)
         if staged is None:
             return False
         staged.aborted = True
         return True
 
+    def reset(self) -> None:
+        """vLLM's prefix cache was reset: hits offered and not allocated are let go;
+        a hit being served stops after the blocks already promoted or being promoted
+        (the rest is recomputed). Rounds and promotions in flight run to their end."""
+        for req_id in list(self._pending):
+            self.release_pending(req_id)
+        for staged in self._active.values():
+            if not staged.stops():
+                staged.fail_from(staged.tier[staged.next][0])
+
     def has_pending(self) -> bool:
         return bool(self._pending or self._active or self._landed or self._queued)
-
-    def _gpu_pool(self) -> BlockPool:
-        assert self.gpu_pool is not None, "bind() was not called"
-        return self.gpu_pool

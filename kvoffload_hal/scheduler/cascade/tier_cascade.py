@@ -203,13 +203,14 @@ class TierCascade(SpillCascade):
         if blocks:
             self.cpu.unpin(blocks)
 
-    def request_finished(self, req_id: str) -> None:
+    def request_finished(self, req_id: str) -> bool:
         self._room_wait_since.pop(req_id, None)
         self.release_promoted(req_id)
         self._no_promotion.discard(req_id)
         job = self._promoting.pop(req_id, None)
         if job is not None:
             job.req_id = None  # completes normally, but nobody keeps the blocks
+        return False
 
     def _finish_promotion(self, job: TierJob) -> None:
         self._keys_promoting.difference_update(job.keys)
@@ -234,6 +235,10 @@ class TierCascade(SpillCascade):
 
     # --------------------------------------------------------------- misc
     def reset(self) -> None:
+        """Forget every entry; jobs in flight finish but are not published, and blocks
+        kept for requests' next lookups are let go (their hashes are gone)."""
+        for req_id in list(self._promoted):
+            self.release_promoted(req_id)
         for step in self._sent.payloads():
             if step.kind is not JobKind.PROBE:  # a shared tier resets its probes
                 for job in step.jobs:

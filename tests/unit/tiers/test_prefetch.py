@@ -147,3 +147,29 @@ def test_an_aborted_waiting_request_releases_its_prefetched_blocks(make_engine, 
 def test_no_secondary_tier_means_no_prefetcher(make_engine):
     engine = make_engine(extra_config={"prefetch_requests": 8})
     assert type(engine.offload.prefetch).__name__ == "NullPrefetcher"
+
+
+def test_a_cache_reset_lets_go_of_prefetched_blocks(make_engine, tmp_path):
+    """After vLLM's prefix-cache reset the prefetched CPU blocks are no prefix of
+    anything: nothing stays pinned for the waiting requests (neither the CPU hits a
+    prefetch extended nor what it promoted), which then recompute."""
+    engine = _engine(make_engine, tmp_path, prefetch_requests=4, prefetch_cpu_share=1.0)
+    docs = [_doc(s) for s in range(2)]
+    _on_disk_only(engine, docs)
+    for i, doc in enumerate(docs):  # each document's first 3 blocks back in the CPU tier
+        engine.add(f"head-{i}", doc[:3 * BS + 1])
+    engine.run_until_done()
+    engine.drain()
+    assert engine.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+    fillers, held = _queue_behind_fillers(engine, docs, steps=4)
+    assert held[-1] == 2 * DOC_BLOCKS
+    engine.scheduler.reset_prefix_cache(reset_connector=True)  # the fillers keep running
+    assert engine.offload.prefetch.num_held_blocks() == 0
+    assert all(engine.offload.cascade.held_for(f"doc-{i}") == 0 for i in range(2))
+    engine.abort(fillers)
+    engine.run_until_done()
+    engine.drain()
+    for i in range(2):
+        assert engine.outputs[f"doc-{i}"] == engine.outputs[f"first-{i}"]
+        assert engine.cached_tokens[f"doc-{i}"] == 0  # the reset forgot them everywhere
+    engine.assert_idle()

@@ -257,3 +257,25 @@ def test_landed_loads_behind_a_request_the_device_cannot_take_are_picked_up(make
     short = {i: n for i, n in cached.items() if n != len(docs[i])}  # every block came back
     assert not short, (short, engine.offload.totals.data)
     engine.assert_idle()
+
+
+def test_a_cache_reset_stops_a_staged_hit_after_what_it_promoted(make_engine, tmp_path):
+    """reset_cache forgets every prefix: a staged hit being served loads the rounds in
+    flight, recomputes the rest and is not counted; nothing stays pinned."""
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    before = dict(engine.offload.totals.data)
+    engine.add("again", doc)
+    for _ in range(100):
+        engine.step()
+        if any(not r.final for r in _rounds(engine)):
+            break
+    assert any(not r.final for r in _rounds(engine)), "no round was sent"
+    engine.scheduler.reset_prefix_cache(reset_connector=True)  # vLLM's reset, as an RL loop
+    engine.run_until_done()
+    engine.drain()
+    assert engine.outputs["again"] == engine.outputs["first-0"]
+    assert 0 < engine.cached_tokens["again"] < DOC_BLOCKS * BS  # stopped part-way
+    assert _delta(engine, before, "staged_hits") == 0
+    engine.assert_idle()
