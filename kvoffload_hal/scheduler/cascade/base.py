@@ -40,6 +40,12 @@ class NullCascade(RequestPart):
     """
 
     stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)
+    read_wait_s: float | None = None  # how long a read may take before it is given up
+    names = TierNames()
+
+    def may_stage(self) -> bool:
+        """Whether a hit may be staged now (a shared tier: while its breaker is closed)."""
+        return self.stages
 
     def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
         """``copies_in_flight()``: whether the CPU tier's own loads or stores hold CPU

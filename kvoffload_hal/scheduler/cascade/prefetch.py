@@ -152,7 +152,11 @@ class Prefetcher(NullPrefetcher):
         # only when none were free (it then waits for room, holding nothing new).
         promoted = free_before - self.cpu.num_free_blocks()
         held = self.cascade.held_for(req_id)
-        if not (queued and held):
+        if queued and not held:
+            # A shared tier's existence query, or another request's promotion of these
+            # blocks, is in flight: looked at again next step, when it has answered.
+            return 0
+        if not queued:
             self._seen[req_id] = []
             return held
         self.cpu.pin(hit_blocks)

@@ -96,6 +96,7 @@ class SharedTierCascade(TierCascade):
                  names: TierNames = TierNames()) -> None:
         super().__init__(index, cpu, world_size, stats, names=names)
         self.timeout_s = timeout_s
+        self.read_wait_s = timeout_s  # staged hits' reads too
         self._clock = clock
         self._probes: dict[str, _Probe] = {}
         self._promote_started: dict[str, float] = {}
@@ -147,6 +148,10 @@ class SharedTierCascade(TierCascade):
         super().on_published(blocks, hashes)
         if len(self._queued) == queued:
             self.breaker.cancel(SPILLS)  # nothing to write: a later caller probes
+
+    def may_stage(self) -> bool:
+        # Else lookups go the breaker's way: skipped, or one of them probes.
+        return self.breaker.state is BreakerState.CLOSED
 
     # ----------------------------------------------------------- lookups
     def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:

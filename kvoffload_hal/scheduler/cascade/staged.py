@@ -21,17 +21,19 @@ staged one and then takes the device prefix-cache hit. A block that fails to rea
 copy ends the hit there: the rest is reported failed and vLLM recomputes it; so is the
 rest of a hit that found no free CPU block for :data:`MAX_STAGE_WAIT_S`.
 
-Staging serves models with one KV cache group on a local tier (the disk); other models
-and the Mooncake tier promote what fits, as before.
+Staging serves models with one KV cache group, on any tier. On a tier shared across
+instances the run is what an existence query found (the first lookup asks, the next one
+stages); a hit is staged only while the tier's circuit breaker is closed, and a read
+that does not land within the tier's wait ends the hit there, as does a block that
+vanished from the store between the query and the read (its read fails). Models with
+several groups promote what fits.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
@@ -40,6 +42,7 @@ from kvoffload_hal import vllm_compat
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import LoadSpec
+from kvoffload_hal.scheduler.cascade.staged_plan import NotStaged, Round, Staged, plan_run
 from kvoffload_hal.scheduler.load_jobs import RoundJob
 from kvoffload_hal.scheduler.parts import RequestPart
 
@@ -60,87 +63,6 @@ MAX_STAGE_WAIT_S = 10.0
 logger = init_logger(__name__)
 
 
-@dataclass
-class _Staged:
-    """One request's staged hit. Positions count blocks from its first computed token
-    on: the CPU hit first, then the run."""
-
-    req_id: str
-    cpu: list[tuple[int, KVCacheBlock]]  # positions the CPU tier holds, pinned
-    tier: list[tuple[int, str, Any]]  # positions the tier brings: (position, key, hash)
-    num_tokens: int  # offered
-    num_computed_tokens: int
-    since: float  # the last progress
-    gpu_ids: list[int] = field(default_factory=list)  # per position, once allocated
-    ready: list[tuple[KVCacheBlock, int]] = field(default_factory=list)  # (CPU, device)
-    loaded: list[int] = field(default_factory=list)  # device blocks of rounds sent
-    final_blocks: list[KVCacheBlock] = field(default_factory=list)  # with the last round
-    final_gpu_ids: list[int] = field(default_factory=list)
-    next: int = 0  # the next entry of ``tier`` to promote
-    promoting: bool = False
-    rounds: int = 0  # rounds sent and not reported
-    failed_at: int | None = None  # the first position not served
-    final_sent: bool = False
-    aborted: bool = False
-
-    @property
-    def keys(self) -> list[str]:
-        return [key for _, key, _ in self.tier]
-
-    def stops(self) -> bool:
-        """No more promotions: all sent, a failure, or the request is gone."""
-        return self.failed_at is not None or self.aborted or self.next >= len(self.tier)
-
-    def fail_from(self, position: int) -> None:
-        self.failed_at = position if self.failed_at is None else min(self.failed_at, position)
-
-
-class NotStaged(Enum):
-    """Why :func:`_plan_run` stages nothing."""
-
-    FITS = "a promotion serves the run whole, or there is nothing to get"
-    WAIT = "another request's promotion brings a block of the run: ask again later"
-
-
-def _plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[KVCacheBlock],
-              entries: Iterator[tuple[str, Any]], block_size: int,
-              now: float) -> _Staged | NotStaged:
-    """The run of the tier's blocks after the hit, when it is longer than the room a
-    promotion has; else why not."""
-    if cascade.held_for(req_id, promoting_only=True):
-        return NotStaged.FITS  # its promotion (a prefetch) is in flight: the cascade waits
-    held: list[tuple[int, KVCacheBlock]] = list(enumerate(hit_blocks))
-    tier: list[tuple[int, str, Any]] = []
-    for pos, (key, block_hash) in enumerate(entries, start=len(hit_blocks)):
-        if cascade.is_promoting(key):
-            return NotStaged.WAIT
-        cached = cpu.cached([block_hash])
-        if cached:
-            held.append((pos, cached[0]))
-        elif cascade.index.is_ready(key):
-            tier.append((pos, key, block_hash))
-        else:
-            break
-    # The room a promotion has once the CPU blocks of the hit and run are pinned.
-    if len(tier) <= cascade.room() - sum(1 for _, b in held if b.ref_cnt == 0):
-        return NotStaged.FITS
-    # Every position of the run, the CPU blocks after its last tier block too: vLLM asks
-    # for a request's external tokens once.
-    last = max(tier[-1][0], held[-1][0] if held else 0)
-    return _Staged(req_id, held, tier, (last + 1) * block_size, 0, now)
-
-
-@dataclass
-class _Round:
-    """A round decided this step, sent with the step's metadata; ``failed`` is set
-    (maybe empty) on the request's last round."""
-
-    req_id: str
-    cpu_blocks: list[KVCacheBlock]
-    gpu_ids: list[int]
-    failed: tuple[int, ...] | None = None
-
-
 class StagedHits(RequestPart):
     """The staged hits of one scheduler: offered at lookup, advanced every step.
 
@@ -159,18 +81,18 @@ class StagedHits(RequestPart):
         self.block_size = block_size
         self.enabled = enabled and cascade.stages and len(cascade.groups.groups) == 1
         self._clock = clock
-        self._pending: dict[str, _Staged] = {}  # offered, not allocated yet
-        self._active: dict[str, _Staged] = {}
-        self._queued: list[_Round] = []
+        self._pending: dict[str, Staged] = {}  # offered, not allocated yet
+        self._active: dict[str, Staged] = {}
+        self._queued: list[Round] = []
         self._owners: dict[str, str] = {}  # tier key -> the request staging it
-        self._landed: list[_Staged] = []  # over: its keys stay owned until the next step
+        self._landed: list[Staged] = []  # over: its keys stay owned until the next step
 
     # ------------------------------------------------------------- lookup
     def offer(self, request: Request, hit: Hit, hit_tokens: int, num_computed_tokens: int,
               max_hit_tokens: int) -> int | None:
         """Tokens of a staged hit for the request (CPU hit included), 0 when it is not
         staged, None when a staged hit brings its blocks (it asks again later)."""
-        if not self.enabled:
+        if not (self.enabled and self.cascade.may_stage()):
             return 0
         bs = self.block_size
         first = (num_computed_tokens + hit_tokens) // bs
@@ -181,7 +103,7 @@ class StagedHits(RequestPart):
             self.loads.note_wait(request.request_id)
             return None
         entries = (self.cascade.groups.at(bh)[0] for bh in positions)
-        staged = _plan_run(self.cascade, self.cpu, request.request_id, hit_blocks, entries,
+        staged = plan_run(self.cascade, self.cpu, request.request_id, hit_blocks, entries,
                            bs, self._clock())
         if staged is NotStaged.WAIT:
             return None
@@ -205,7 +127,7 @@ class StagedHits(RequestPart):
         if staged is not None:
             self._drop_positions(staged, 0)
 
-    def _drop_positions(self, staged: _Staged, n: int) -> None:
+    def _drop_positions(self, staged: Staged, n: int) -> None:
         """Stop holding the positions from ``n`` on (before any round was sent)."""
         cpu_blocks = [b for pos, b in staged.cpu if pos >= n]
         self.cpu.unpin(cpu_blocks)
@@ -249,6 +171,7 @@ class StagedHits(RequestPart):
         for staged in list(self._active.values()):
             if staged.final_sent:
                 continue
+            self._give_up_overdue(staged)
             if staged.ready and not (staged.stops() and not staged.promoting):
                 self._send_round(staged)
             if not staged.stops() and not staged.promoting:
@@ -264,30 +187,44 @@ class StagedHits(RequestPart):
         for req_id in list(self._pending):
             self.release_pending(req_id)
 
-    def _promote_next(self, staged: _Staged) -> bool:
+    def _promote_next(self, staged: Staged) -> bool:
         """Queue the next promotion of the run; False when no CPU block is free."""
         n = min(self.cascade.room(), len(staged.tier) - staged.next)
         now = self._clock()
         if n <= 0:
             if now - staged.since > MAX_STAGE_WAIT_S:
-                log_once(logger, logging.WARNING, "disk tier: a staged hit found no free CPU "
+                log_once(logger, logging.WARNING, "%s: a staged hit found no free CPU "
                          "block for %.0f s; the rest of its prompt is recomputed",
-                         MAX_STAGE_WAIT_S)
+                         self.cascade.names.label, MAX_STAGE_WAIT_S)
                 staged.fail_from(staged.tier[staged.next][0])
             return False
         part = staged.tier[staged.next:staged.next + n]
         staged.next += n
-        staged.promoting = True
+        staged.promoting = part
         staged.since = now
         self.cascade.queue_promotion([k for _, k, _ in part], [h for _, _, h in part], None,
                                      lambda blocks, n_ok: self._promoted(staged, part, blocks,
                                                                          n_ok))
         return True
 
-    def _promoted(self, staged: _Staged, part: list[tuple[int, str, Any]],
+    def _give_up_overdue(self, staged: Staged) -> None:
+        """A tier shared across instances answers within its wait, or the hit stops at
+        the part being read (the rest is recomputed; the breaker hears of the overdue
+        job from the cascade). The late read's blocks are let go when it ends."""
+        wait_s = self.cascade.read_wait_s
+        if (staged.promoting is None or wait_s is None
+                or self._clock() - staged.since <= wait_s):
+            return
+        staged.fail_from(staged.promoting[0][0])
+        staged.promoting = None
+
+    def _promoted(self, staged: Staged, part: list[tuple[int, str, Any]],
                   blocks: list[KVCacheBlock], n_ok: int) -> None:
         """Every rank read a promotion: the blocks that read join the next round."""
-        staged.promoting = False
+        if staged.promoting is not part:  # given up (overdue), or the hit is over
+            self.cpu.unpin(blocks)
+            return
+        staged.promoting = None
         staged.since = self._clock()
         self.cpu.unpin(blocks[n_ok:])
         if n_ok < len(part):
@@ -296,14 +233,14 @@ class StagedHits(RequestPart):
         self.loads.hold_busy(b.block_id for b, _ in ok)
         staged.ready += ok
 
-    def _send_round(self, staged: _Staged) -> None:
+    def _send_round(self, staged: Staged) -> None:
         cpu_blocks, gpu_ids = [b for b, _ in staged.ready], [g for _, g in staged.ready]
         staged.ready = []
         staged.rounds += 1
         staged.loaded += gpu_ids
-        self._queued.append(_Round(staged.req_id, cpu_blocks, gpu_ids))
+        self._queued.append(Round(staged.req_id, cpu_blocks, gpu_ids))
 
-    def _send_final(self, staged: _Staged) -> None:
+    def _send_final(self, staged: Staged) -> None:
         """The request's load: what is ready, and the device blocks nothing fills."""
         staged.final_blocks = [b for b, _ in staged.ready]
         staged.final_gpu_ids = gpu_ids = [g for _, g in staged.ready]
@@ -311,7 +248,7 @@ class StagedHits(RequestPart):
         staged.final_sent = True
         served = {*gpu_ids, *staged.loaded}
         failed = tuple(g for g in staged.gpu_ids if g not in served)
-        self._queued.append(_Round(staged.req_id, staged.final_blocks, gpu_ids, failed))
+        self._queued.append(Round(staged.req_id, staged.final_blocks, gpu_ids, failed))
 
     def take_rounds(self) -> tuple[LoadSpec, ...]:
         """This step's rounds, numbered after the step's other load job (the workers

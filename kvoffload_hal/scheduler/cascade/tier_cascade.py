@@ -59,7 +59,7 @@ def _blocks(hit: Hit) -> list[KVCacheBlock]:
 
 
 class TierCascade(SpillCascade):
-    stages = True  # not a shared tier: it answers existence asynchronously
+    stages = True
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, rebuild: bool = False,
