@@ -171,13 +171,13 @@ class StagedHits(RequestPart):
         for staged in list(self._active.values()):
             if staged.final_sent:
                 continue
-            self._give_up_overdue(staged)
+            staged.give_up_if_overdue(self._clock(), self.cascade.read_wait_s)
             if staged.ready and not (staged.stops() and not staged.promoting):
-                self._send_round(staged)
+                self._queued.append(staged.take_round())
             if not staged.stops() and not staged.promoting:
                 starving |= not self._promote_next(staged)
             if staged.stops() and not staged.promoting and not staged.rounds:
-                self._send_final(staged)
+                self._queued.append(staged.take_final())
         if self.enabled:
             self.cascade.suspend_promotions(starving)
 
@@ -207,17 +207,6 @@ class StagedHits(RequestPart):
                                                                          n_ok))
         return True
 
-    def _give_up_overdue(self, staged: Staged) -> None:
-        """A tier shared across instances answers within its wait, or the hit stops at
-        the part being read (the rest is recomputed; the breaker hears of the overdue
-        job from the cascade). The late read's blocks are let go when it ends."""
-        wait_s = self.cascade.read_wait_s
-        if (staged.promoting is None or wait_s is None
-                or self._clock() - staged.since <= wait_s):
-            return
-        staged.fail_from(staged.promoting[0][0])
-        staged.promoting = None
-
     def _promoted(self, staged: Staged, part: list[tuple[int, str, Any]],
                   blocks: list[KVCacheBlock], n_ok: int) -> None:
         """Every rank read a promotion: the blocks that read join the next round."""
@@ -232,23 +221,6 @@ class StagedHits(RequestPart):
         ok = list(zip(blocks[:n_ok], (staged.gpu_ids[pos] for pos, _, _ in part)))
         self.loads.hold_busy(b.block_id for b, _ in ok)
         staged.ready += ok
-
-    def _send_round(self, staged: Staged) -> None:
-        cpu_blocks, gpu_ids = [b for b, _ in staged.ready], [g for _, g in staged.ready]
-        staged.ready = []
-        staged.rounds += 1
-        staged.loaded += gpu_ids
-        self._queued.append(Round(staged.req_id, cpu_blocks, gpu_ids))
-
-    def _send_final(self, staged: Staged) -> None:
-        """The request's load: what is ready, and the device blocks nothing fills."""
-        staged.final_blocks = [b for b, _ in staged.ready]
-        staged.final_gpu_ids = gpu_ids = [g for _, g in staged.ready]
-        staged.ready = []
-        staged.final_sent = True
-        served = {*gpu_ids, *staged.loaded}
-        failed = tuple(g for g in staged.gpu_ids if g not in served)
-        self._queued.append(Round(staged.req_id, staged.final_blocks, gpu_ids, failed))
 
     def take_rounds(self) -> tuple[LoadSpec, ...]:
         """This step's rounds, numbered after the step's other load job (the workers

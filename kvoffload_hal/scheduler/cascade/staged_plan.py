@@ -52,6 +52,33 @@ class Staged:
     def fail_from(self, position: int) -> None:
         self.failed_at = position if self.failed_at is None else min(self.failed_at, position)
 
+    def give_up_if_overdue(self, now: float, wait_s: float | None) -> None:
+        """A tier shared across instances answers within its wait, or the hit stops at
+        the part being read (the rest is recomputed; the breaker hears of the overdue
+        job from the cascade). The late read's blocks are let go when it ends."""
+        if self.promoting is None or wait_s is None or now - self.since <= wait_s:
+            return
+        self.fail_from(self.promoting[0][0])
+        self.promoting = None
+
+    def take_round(self) -> Round:
+        """A round of the blocks ready in the CPU tier."""
+        cpu_blocks, gpu_ids = [b for b, _ in self.ready], [g for _, g in self.ready]
+        self.ready = []
+        self.rounds += 1
+        self.loaded += gpu_ids
+        return Round(self.req_id, cpu_blocks, gpu_ids)
+
+    def take_final(self) -> Round:
+        """The request's load: what is ready, and the device blocks nothing fills."""
+        self.final_blocks = [b for b, _ in self.ready]
+        self.final_gpu_ids = gpu_ids = [g for _, g in self.ready]
+        self.ready = []
+        self.final_sent = True
+        served = {*gpu_ids, *self.loaded}
+        failed = tuple(g for g in self.gpu_ids if g not in served)
+        return Round(self.req_id, self.final_blocks, gpu_ids, failed)
+
 
 class NotStaged(Enum):
     """Why :func:`plan_run` stages nothing."""
