@@ -9,6 +9,8 @@ Every KV read is checked by the fake model.
 
 import time
 
+import pytest
+
 from support.prefetch_rig import count_waits, forget_caches, gate_reads
 
 BS = 16
@@ -100,16 +102,21 @@ def test_without_prefetch_each_request_waits_for_its_promotion(make_engine, tmp_
     engine.assert_idle()
 
 
-def test_prefetch_holds_no_more_than_its_cap(make_engine, tmp_path):
-    # 64 CPU blocks x 0.25 = 16, and 12 blocks: the smaller cap wins.
-    engine = _engine(make_engine, tmp_path, prefetch_requests=4, prefetch_cpu_share=0.25,
-                     prefetch_blocks=12)
-    assert engine.offload.prefetch.max_blocks == 12
+@pytest.mark.parametrize("share, blocks, cap", [
+    (0.25, 12, 12),  # 64 CPU blocks x 0.25 = 16, and 12 blocks: the smaller cap wins
+    (0.25, 40, 16),
+    (0.25, 0, 16),  # no cap in blocks: the share alone
+])
+def test_prefetch_holds_no_more_than_its_cap(make_engine, tmp_path, share, blocks, cap):
+    engine = _engine(make_engine, tmp_path, prefetch_requests=4, prefetch_cpu_share=share,
+                     prefetch_blocks=blocks)
     docs = [_doc(s) for s in range(4)]
     _on_disk_only(engine, docs)
     prefetched, waits, held = _run_queue(engine, docs)
-    assert max(held) == 12 and prefetched == 12  # one document and 4 blocks of the next
-    assert not waits["doc-0"] and waits["doc-2"] >= 1  # the third was left to its lookup
+    assert max(held) == cap and prefetched == cap  # of 4 x 8 blocks waiting
+    assert not waits["doc-0"]
+    if cap < 2 * DOC_BLOCKS:  # the second was prefetched in part, the third not at all:
+        assert waits["doc-2"] >= 1  # it was left to its lookup
     assert engine.offload.totals.data["blocks_from_disk"] == 4 * DOC_BLOCKS
     engine.assert_idle()
 
