@@ -151,6 +151,37 @@ def test_an_aborted_waiting_request_releases_its_prefetched_blocks(make_engine, 
     engine.assert_idle()
 
 
+@pytest.mark.parametrize("end", ["aborted while waiting", "served"])
+def test_the_cpu_hit_a_prefetch_extends_is_released(make_engine, tmp_path, end):
+    """A document's first blocks in the CPU tier, the rest on disk only: the prefetch
+    promotes the rest and pins the CPU hit it extends, until the request is looked up
+    (then served from the CPU tier) or aborted."""
+    engine = _engine(make_engine, tmp_path, prefetch_requests=4, prefetch_cpu_share=1.0)
+    doc = _doc(0)
+    _on_disk_only(engine, [doc])
+    in_cpu = 3
+    engine.add("prefix", doc[:in_cpu * BS + 1])  # promotes its 3 blocks from disk
+    engine.run_until_done()
+    engine.drain()
+    assert engine.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+    totals = engine.offload.totals.data
+    prefetched, hits = totals.get("blocks_prefetched", 0), totals.get("cpu_hit_tokens", 0)
+    fillers, held = _queue_behind_fillers(engine, [doc])
+    assert totals["blocks_prefetched"] - prefetched == DOC_BLOCKS - in_cpu  # from disk
+    assert held[-1] == DOC_BLOCKS  # the promoted blocks and the CPU hit they extend
+    if end == "aborted while waiting":
+        engine.abort(["doc-0"])
+        assert engine.offload.prefetch.num_held_blocks() == 0
+    engine.abort(fillers)
+    engine.run_until_done()
+    engine.drain()
+    if end == "served":
+        assert engine.outputs["doc-0"] == engine.outputs["first-0"]
+        assert totals["cpu_hit_tokens"] - hits == DOC_BLOCKS * BS  # all of it, checked
+    assert engine.offload.num_pinned_cpu_blocks() == 0
+    engine.assert_idle()
+
+
 def test_no_secondary_tier_means_no_prefetcher(make_engine):
     engine = make_engine(extra_config={"prefetch_requests": 8})
     assert type(engine.offload.prefetch).__name__ == "NullPrefetcher"
