@@ -59,8 +59,9 @@ def _first_document_served_from_the_cpu_tier(engine) -> int:
 
 
 def test_a_plugged_in_policy_runs_in_an_engine_and_changes_what_is_evicted(make_engine, mru):
-    """With a tier of two documents (and vLLM's null block), the third evicts the first under ``lru`` (the
-    least recently used) and the second under ``mru`` (the most recently released)."""
+    """With a tier of two documents (and vLLM's null block), the third evicts the first
+    under ``lru`` (the least recently used) and the second under ``mru`` (the most
+    recently released)."""
     lru_engine = make_engine(cpu_blocks=11, extra_config={"eviction": "lru"})
     assert type(lru_engine.offload.cpu.eviction).__name__ == "LruEviction"
     assert _first_document_served_from_the_cpu_tier(lru_engine) == 0
