@@ -27,6 +27,19 @@ def test_an_entry_point_policy_is_a_valid_eviction_name(mru):
     assert OffloadConfig.from_extra_config({"eviction": "mru"}).eviction == "mru"
 
 
+def test_a_policy_registered_at_run_time_is_valid_until_unregistered():
+    registry.register_eviction("mru", ENTRY_POINT)
+    try:
+        assert OffloadConfig.from_extra_config({"eviction": "mru"}).eviction == "mru"
+        with pytest.raises(ValueError, match="eviction policy name 'lru' is reserved"):
+            registry.register_eviction("lru", ENTRY_POINT)
+        with pytest.raises(ValueError, match="must look like 'package.module:PolicyClass'"):
+            registry.register_eviction("bad", "no_colon")
+    finally:
+        registry.unregister_eviction("mru")
+    assert "mru" not in registry.eviction_names()
+
+
 def test_without_its_entry_point_the_name_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match=r"\['eviction'\]='mru'.*lru, adaptive"):
         OffloadConfig.from_extra_config({"eviction": "mru"})
