@@ -21,7 +21,7 @@ hence three:
 
 Prints a table and writes ``docs/benchmarks/eviction_traces.{md,png}``.
 
-    python benchmarks/eviction_traces.py [--quick] [--seed N] [--scale K]
+    python benchmarks/eviction_traces.py [--quick] [--seed N] [--scale K] [--policies NAME ...]
 """
 
 from __future__ import annotations
@@ -130,9 +130,10 @@ def working_set(trace: Trace) -> int:
     return sum(1 for c in counts.values() if c > 1)
 
 
-def replay_all(trace: Trace, capacity: int) -> dict[str, int]:
+def replay_all(trace: Trace, capacity: int,
+               policies: tuple[str, ...] = TIER_POLICIES) -> dict[str, int]:
     hits = {"belady": belady_hits(trace, capacity)}
-    for name in TIER_POLICIES:
+    for name in policies:
         hits[name] = replay_tier(make_replay_tier(capacity, name), trace)
     for name in ("lru", "arc"):
         cls = vllm_policy_class(name)
@@ -141,14 +142,15 @@ def replay_all(trace: Trace, capacity: int) -> dict[str, int]:
     return hits
 
 
-def run_suite(sizes=SIZES, seed: int = 0, scale: int = 1) -> list[dict]:
+def run_suite(sizes=SIZES, seed: int = 0, scale: int = 1,
+              policies: tuple[str, ...] = TIER_POLICIES) -> list[dict]:
     rows = []
     for i, trace_name in enumerate(TRACES):
         trace = make_trace(trace_name, seed + i, scale)
         ws = working_set(trace)
         for size in sizes:
             capacity = max(1, round(size * ws))
-            hits = replay_all(trace, capacity)
+            hits = replay_all(trace, capacity, policies)
             rows.append(dict(trace=trace_name, size=size, capacity=capacity, hits=hits))
     return rows
 
@@ -215,14 +217,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", type=int, default=1,
                         help="traces and tiers SCALE times larger (no files written unless 1): "
                              "the shadows' key cap and the sketch's buckets at work")
+    parser.add_argument("--policies", nargs="+", default=list(TIER_POLICIES),
+                        help="the CPU tier's policies replayed, by registry name (a plug-in's "
+                             "too); lru and adaptive are always among them (no files written "
+                             "unless just those)")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = parser.parse_args(argv)
+    policies = tuple(dict.fromkeys([*TIER_POLICIES, *args.policies]))
     start = time.perf_counter()
-    rows = run_suite((0.5, 1.0, 1.5) if args.quick else SIZES, args.seed, args.scale)
+    rows = run_suite((0.5, 1.0, 1.5) if args.quick else SIZES, args.seed, args.scale, policies)
     table = format_table(rows)
     print(table)
     print(f"replayed in {time.perf_counter() - start:.1f} s")
-    if args.quick or args.scale != 1:
+    if args.quick or args.scale != 1 or policies != TIER_POLICIES:
         return
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "eviction_traces.md").write_text(

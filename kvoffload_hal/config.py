@@ -28,7 +28,8 @@ key                     default     meaning
                                     of that order by what happened to it since it
                                     was stored, as the best of four candidate
                                     insertions on sampled shadows says; see
-                                    ``eviction.py``)
+                                    ``eviction/adaptive.py``), or a plug-in
+                                    policy's name (``eviction/registry.py``)
 ``prefetch_requests``   4           with a secondary tier: how many of the oldest
                                     waiting requests not yet looked up by vLLM's
                                     scheduler have their tier blocks promoted into

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvoffload_hal.plugins import check_target, entry_point_targets, load_class
+from kvoffload_hal.plugins import PluginTargets, load_class
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -27,37 +27,17 @@ ENTRY_POINT_GROUP = "kvoffload_hal.eviction"
 # 0.001 of LRU or above it on the trace replays (docs/design.md#eviction).
 DEFAULT_EVICTION = "adaptive"
 
-_BUILTIN: dict[str, str] = {
+_POLICIES = PluginTargets("eviction policy", ENTRY_POINT_GROUP, {
     "lru": "kvoffload_hal.eviction.base:LruEviction",
     "adaptive": "kvoffload_hal.eviction.adaptive:AdaptiveEviction",
-}
-_registered: dict[str, str] = {}
+}, class_word="PolicyClass")
+# register_eviction(name, "module:PolicyClass") adds an Eviction subclass at run time.
+register_eviction, unregister_eviction = _POLICIES.register, _POLICIES.unregister
+eviction_targets = _POLICIES.targets
 
 
 class EvictionSelectionError(RuntimeError):
     """A named eviction policy cannot be loaded. The message is one line."""
-
-
-def register_eviction(name: str, target: str) -> None:
-    """Register ``name`` -> ``"module:PolicyClass"`` (an ``Eviction`` subclass)."""
-    if name in _BUILTIN:
-        raise ValueError(f"eviction policy name {name!r} is reserved")
-    check_target("eviction policy", target, "PolicyClass")
-    _registered[name] = target
-
-
-def unregister_eviction(name: str) -> None:
-    _registered.pop(name, None)
-
-
-def eviction_targets() -> dict[str, str]:
-    """Every policy's ``"module:PolicyClass"``, built-ins first."""
-    found = dict(_BUILTIN)
-    for name, target in entry_point_targets(ENTRY_POINT_GROUP).items():
-        found.setdefault(name, target)
-    for name, target in _registered.items():
-        found.setdefault(name, target)
-    return found
 
 
 def eviction_names() -> tuple[str, ...]:

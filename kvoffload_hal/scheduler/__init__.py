@@ -1,15 +1,16 @@
 """Scheduler side: decides which blocks move; never touches a device.
 
-:class:`~kvoffload_hal.scheduler.core.OffloadScheduler` wires the CPU tier
-(:mod:`.cpu_tier`, vLLM's own ``BlockPool``), its eviction order
-(:mod:`.eviction`), the choice of blocks to store (:mod:`.store_policy`) and
-the jobs that move them (:mod:`.load_jobs`, :mod:`.store_jobs`, both counted
-with :mod:`.jobs`).
+Runs in the scheduler process. :class:`~kvoffload_hal.scheduler.core.OffloadScheduler`
+wires the CPU tier (:mod:`.cpu_tier`, vLLM's own ``BlockPool``, with its eviction
+policy from :mod:`kvoffload_hal.eviction`), the choice of blocks to store
+(:mod:`.store_policy`), the jobs that move them (:mod:`.load_jobs`,
+:mod:`.store_jobs`, both counted with :mod:`.jobs`) and the scheduler half of the
+secondary tier (:mod:`.cascade`).
 """
 
 
 def __getattr__(name: str):
-    # Lazy: the tiers' scheduler halves import .jobs without the whole scheduler.
+    # Lazy: importing .cascade or .jobs does not import the whole scheduler.
     if name == "OffloadScheduler":
         from kvoffload_hal.scheduler.core import OffloadScheduler
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.tier_cascade import NullCascade
+    from kvoffload_hal.scheduler.cascade.base import NullCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
 
 logger = init_logger(__name__)

@@ -1,1 +1,9 @@
-"""Secondary tiers behind the CPU tier (disk first)."""
+"""Secondary tiers behind the CPU tier: what a tier author touches.
+
+The contract (:mod:`.spec`), the registry (:mod:`.registry`), the worker halves'
+base classes (:mod:`.worker_tier`, :mod:`.worker_pool`), the identity of a block's
+bytes (:mod:`.identity`, :mod:`.weights_digest`, :mod:`.block_value`) and one folder
+per tier (``disk/``, ``mooncake/``). Imported in every process; nothing here imports
+the scheduler or the worker, whose halves of a tier live in
+:mod:`kvoffload_hal.scheduler.cascade` and :mod:`kvoffload_hal.worker`.
+"""

@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.plugins import check_target, entry_point_targets, load_class
+from kvoffload_hal.plugins import PluginTargets, load_class
 from kvoffload_hal.tiers.spec import TierSpec
 
 if TYPE_CHECKING:
@@ -28,37 +28,17 @@ logger = init_logger(__name__)
 
 ENTRY_POINT_GROUP = "kvoffload_hal.tiers"
 
-_BUILTIN: dict[str, str] = {
-    "disk": "kvoffload_hal.tiers.disk:DiskTierSpec",
-    "mooncake": "kvoffload_hal.tiers.mooncake:MooncakeTierSpec",
-}
-_registered: dict[str, str] = {}
-
 
 class TierSelectionError(RuntimeError):
     """A registered tier cannot be loaded. The message is one line."""
 
 
-def register_tier(name: str, target: str) -> None:
-    """Register ``name`` -> ``"module:SpecClass"`` (a :class:`TierSpec` subclass)."""
-    if name in _BUILTIN:
-        raise ValueError(f"tier name {name!r} is reserved")
-    check_target("tier", target, "SpecClass")
-    _registered[name] = target
-
-
-def unregister_tier(name: str) -> None:
-    _registered.pop(name, None)
-
-
-def tier_targets() -> dict[str, str]:
-    """Every tier's ``"module:SpecClass"``, built-ins first."""
-    found = dict(_BUILTIN)
-    for name, target in entry_point_targets(ENTRY_POINT_GROUP).items():
-        found.setdefault(name, target)
-    for name, target in _registered.items():
-        found.setdefault(name, target)
-    return found
+_TIERS = PluginTargets("tier", ENTRY_POINT_GROUP, {
+    "disk": "kvoffload_hal.tiers.disk:DiskTierSpec",
+    "mooncake": "kvoffload_hal.tiers.mooncake:MooncakeTierSpec",
+}, class_word="SpecClass")
+# register_tier(name, "module:SpecClass") adds a TierSpec subclass at run time.
+register_tier, unregister_tier, tier_targets = _TIERS.register, _TIERS.unregister, _TIERS.targets
 
 
 def spec_class(name: str, target: str) -> type[TierSpec]:

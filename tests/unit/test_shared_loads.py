@@ -43,6 +43,17 @@ def _first_token_steps(engine, req_ids, max_steps=400):
     return first
 
 
+def _together(engine, prefix, n):
+    """``n`` requests on ``prefix`` added at once, run and drained: their ids and the
+    step of each one's first token."""
+    req_ids = [f"r{i}" for i in range(n)]
+    for i, r in enumerate(req_ids):
+        engine.add(r, prefix + [2 + i, 3])
+    first = _first_token_steps(engine, req_ids)
+    engine.drain()
+    return req_ids, first
+
+
 def _engine(make_engine, backend="slow-cpu", **kwargs):
     return make_engine(backend=backend, num_gpu_blocks=96, cpu_blocks=64, **kwargs)
 
@@ -54,11 +65,7 @@ def test_concurrent_requests_copy_a_shared_prefix_once(make_engine, n, window):
     prefix = _prefix()
     _offloaded_prefix(engine, prefix)
     start = engine.steps
-    req_ids = [f"r{i}" for i in range(n)]
-    for i, r in enumerate(req_ids):
-        engine.add(r, prefix + [2 + i, 3])
-    first = _first_token_steps(engine, req_ids)
-    engine.drain()
+    req_ids, first = _together(engine, prefix, n)
     totals = engine.offload.totals.data
     # A sliding window of 32 tokens needs the last 2 blocks of its group too.
     assert totals["blocks_loaded"] == PREFIX_BLOCKS + (2 if window else 0)
@@ -147,11 +154,7 @@ def test_a_failed_shared_load_makes_every_waiter_recompute(make_engine):
     engine = make_engine(backend="failing-loads-async", num_gpu_blocks=96, cpu_blocks=64)
     prefix = _prefix(3)
     _offloaded_prefix(engine, prefix)
-    req_ids = [f"r{i}" for i in range(4)]
-    for i, r in enumerate(req_ids):
-        engine.add(r, prefix + [2 + i, 3])
-    _first_token_steps(engine, req_ids)
-    engine.drain()
+    req_ids, _ = _together(engine, prefix, 4)
     totals = engine.offload.totals.data
     assert totals.get("blocks_loaded", 0) == 0
     assert totals.get("shared_load_waits", 0) == 3
@@ -168,11 +171,7 @@ def test_concurrent_requests_promote_a_disk_prefix_once(make_engine, tmp_path, n
     _offloaded_prefix(engine, prefix)
     assert engine.offload.totals.data["blocks_to_disk"] == PREFIX_BLOCKS
     engine.offload.cpu.drop_all()  # the CPU tier let the prefix go; the disk holds it
-    req_ids = [f"r{i}" for i in range(n)]
-    for i, r in enumerate(req_ids):
-        engine.add(r, prefix + [2 + i, 3])
-    first = _first_token_steps(engine, req_ids)
-    engine.drain()
+    req_ids, first = _together(engine, prefix, n)
     totals = engine.offload.totals.data
     assert totals["blocks_from_disk"] == PREFIX_BLOCKS
     assert totals["blocks_loaded"] == PREFIX_BLOCKS

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kvoffload_hal.logger import init_logger
@@ -43,26 +44,25 @@ class BreakerState(str, Enum):
     HALF_OPEN = "half-open"
 
 
+@dataclass(eq=False)
 class CircuitBreaker:
     """See the module docstring."""
 
-    def __init__(self, label: str, probe_timeout_s: float,
-                 on_transition: Callable[[BreakerState, BreakerState], None] | None = None,
-                 base_backoff_s: float = BASE_BACKOFF_S, max_backoff_s: float = MAX_BACKOFF_S,
-                 max_errors: int = MAX_ERRORS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.label = label
-        self.probe_timeout_s = probe_timeout_s
-        self.base_backoff_s = base_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.max_errors = max_errors
-        self._on_transition = on_transition
-        self._clock = clock
-        self.state = BreakerState.CLOSED
-        self.backoff_s = 0.0  # the current (last) open window
-        self._since = clock()  # when the current state began
-        self._errors = 0
-        self._probe: str | None = None  # who was let through while half-open
+    label: str  # how log lines name the tier
+    probe_timeout_s: float
+    on_transition: Callable[[BreakerState, BreakerState], None] | None = None
+    base_backoff_s: float = BASE_BACKOFF_S
+    max_backoff_s: float = MAX_BACKOFF_S
+    max_errors: int = MAX_ERRORS
+    clock: Callable[[], float] = time.monotonic
+    state: BreakerState = field(default=BreakerState.CLOSED, init=False)
+    backoff_s: float = field(default=0.0, init=False)  # the current (last) open window
+    _since: float = field(default=0.0, init=False)  # when the current state began
+    _errors: int = field(default=0, init=False)
+    _probe: str | None = field(default=None, init=False)  # let through while half-open
+
+    def __post_init__(self) -> None:
+        self._since = self.clock()
 
     def allow(self, caller: str) -> bool:
         """Whether ``caller`` may use the tier now; an open breaker whose window
@@ -76,7 +76,7 @@ class CircuitBreaker:
                 return False
             self._move(BreakerState.HALF_OPEN, "probing with one request")
         if self._probe is None:
-            self._probe, self._since = caller, self._clock()
+            self._probe, self._since = caller, self.clock()
         return caller == self._probe
 
     def cancel(self, caller: str) -> None:
@@ -108,10 +108,10 @@ class CircuitBreaker:
 
     # ------------------------------------------------------------ helpers
     def _window_over(self) -> bool:
-        return self._clock() - self._since >= self.backoff_s
+        return self.clock() - self._since >= self.backoff_s
 
     def _probe_expired(self) -> bool:
-        return self._clock() - self._since > self.probe_timeout_s
+        return self.clock() - self._since > self.probe_timeout_s
 
     def _open(self, why: str) -> None:
         self.backoff_s = (self.base_backoff_s if self.backoff_s == 0
@@ -121,8 +121,8 @@ class CircuitBreaker:
         self._move(BreakerState.OPEN, f"{why}; skipped for {self.backoff_s:g} s")
 
     def _move(self, new: BreakerState, why: str) -> None:
-        old, self.state, self._since = self.state, new, self._clock()
+        old, self.state, self._since = self.state, new, self.clock()
         log = logger.warning if new is BreakerState.OPEN else logger.info
         log("%s: circuit breaker %s -> %s (%s)", self.label, old.value, new.value, why)
-        if self._on_transition is not None:
-            self._on_transition(old, new)
+        if self.on_transition is not None:
+            self.on_transition(old, new)

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.config import OffloadConfig
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.tier_cascade import NullCascade
+    from kvoffload_hal.scheduler.cascade.base import NullCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
 
 

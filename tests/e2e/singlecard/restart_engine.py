@@ -18,12 +18,11 @@ import json
 import sys
 import time
 
-from kvoffload_hal.demo.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
+from disk_engine import NUM_DOCS, disk_tier_llm
+
+from kvoffload_hal.demo.inprocess import close_llm, scheduler_connector
 from kvoffload_hal.demo.tiny_model import synthetic_text
 from support.engines import drain_transfers
-
-NUM_DOCS = 8
-BLOCK_BYTES = 2 * 32 * 2 * 128 * 2  # layers x tokens x heads x (K+V)·head_dim x bf16
 
 
 def prompts() -> list[str]:
@@ -31,14 +30,7 @@ def prompts() -> list[str]:
 
 
 def main(model: str, disk_path: str, stage: str) -> None:
-    from vllm import SamplingParams
-
-    spec = EngineSpec(model, num_gpu_blocks=24, offload=True,
-                      cpu_bytes_to_use=12 * BLOCK_BYTES,  # ~2 of the 8 documents
-                      extra_config={"disk_path": disk_path,
-                                    "disk_bytes_to_use": 100 * BLOCK_BYTES})
-    llm = make_llm(spec)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm, params = disk_tier_llm(model, disk_path)
     try:
         if stage == "read":
             assert drain_transfers(llm, timeout_s=120)  # the index is rebuilt

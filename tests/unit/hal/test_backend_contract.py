@@ -12,6 +12,7 @@ from kvoffload_hal.hal import registry
 from kvoffload_hal.hal.backend import DmaCopyBackend
 from kvoffload_hal.plugins import load_class
 from support import backend_doubles
+from support.entry_points import install_entry_points
 
 
 def _builtin_class(name):
@@ -59,22 +60,13 @@ def test_a_registered_plug_in_says_whether_its_compute_is_synchronous():
         registry.synchronous_compute("contract-none")
 
 
-def _install_dist(tmp_path, monkeypatch, entry_points_txt):
-    dist = tmp_path / "kvhal_contract_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: kvhal-contract-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(entry_points_txt)
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-
 def test_an_entry_point_plug_in_declares_synchronous_compute_in_its_own_group(
         tmp_path, monkeypatch):
     backends, synchronous = registry.ENTRY_POINT_GROUP, registry.SYNCHRONOUS_GROUP
-    _install_dist(tmp_path, monkeypatch, (
-        f"[{backends}]\nep-sync = nowhere.a:Sync\nep-async = nowhere.a:Async\n"
-        f"ep-other = nowhere.a:Other\n"
-        f"[{synchronous}]\nep-sync = nowhere.a:Sync\nep-other = elsewhere:Other\n"))
+    install_entry_points(tmp_path, monkeypatch, {
+        backends: {"ep-sync": "nowhere.a:Sync", "ep-async": "nowhere.a:Async",
+                   "ep-other": "nowhere.a:Other"},
+        synchronous: {"ep-sync": "nowhere.a:Sync", "ep-other": "elsewhere:Other"}})
     assert registry.synchronous_compute("ep-sync") is True
     assert registry.synchronous_compute("ep-async") is False  # undeclared
     assert registry.synchronous_compute("ep-other") is False  # declared for another target

@@ -18,6 +18,7 @@ from kvoffload_hal.hal.registry import (
     register_backend,
     resolve_backend_name,
 )
+from support.entry_points import install_entry_points
 
 PLUGIN_MODULE = """
 from kvoffload_hal.backends.cpu import CpuCopyBackend
@@ -146,13 +147,8 @@ def test_registered_backend_failures_are_one_line(plugin_module):
 def test_entry_point_backend_from_a_real_dist_info(tmp_path, monkeypatch):
     module = "kvhal_ep_plugin_mod"
     (tmp_path / f"{module}.py").write_text(PLUGIN_MODULE.format(name="epback"))
-    dist = tmp_path / "kvhal_ep_plugin-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvhal-ep-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(
-        f"[{registry.ENTRY_POINT_GROUP}]\nepback = {module}:PluginBackend\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_entry_points(tmp_path, monkeypatch,
+                         {registry.ENTRY_POINT_GROUP: {"epback": f"{module}:PluginBackend"}})
     assert "epback" in backend_names()
     monkeypatch.setenv(ENV_VAR, "epback")
     assert resolve_backend_name() == "epback"

@@ -9,6 +9,8 @@ Every KV read is checked by the fake model.
 
 import time
 
+import pytest
+
 from support.prefetch_rig import count_waits, forget_caches, gate_reads
 
 BS = 16
@@ -100,16 +102,21 @@ def test_without_prefetch_each_request_waits_for_its_promotion(make_engine, tmp_
     engine.assert_idle()
 
 
-def test_prefetch_holds_no_more_than_its_cap(make_engine, tmp_path):
-    # 64 CPU blocks x 0.25 = 16, and 12 blocks: the smaller cap wins.
-    engine = _engine(make_engine, tmp_path, prefetch_requests=4, prefetch_cpu_share=0.25,
-                     prefetch_blocks=12)
-    assert engine.offload.prefetch.max_blocks == 12
+@pytest.mark.parametrize("share, blocks, cap", [
+    (0.25, 12, 12),  # 64 CPU blocks x 0.25 = 16, and 12 blocks: the smaller cap wins
+    (0.25, 40, 16),
+    (0.25, 0, 16),  # no cap in blocks: the share alone
+])
+def test_prefetch_holds_no_more_than_its_cap(make_engine, tmp_path, share, blocks, cap):
+    engine = _engine(make_engine, tmp_path, prefetch_requests=4, prefetch_cpu_share=share,
+                     prefetch_blocks=blocks)
     docs = [_doc(s) for s in range(4)]
     _on_disk_only(engine, docs)
     prefetched, waits, held = _run_queue(engine, docs)
-    assert max(held) == 12 and prefetched == 12  # one document and 4 blocks of the next
-    assert not waits["doc-0"] and waits["doc-2"] >= 1  # the third was left to its lookup
+    assert max(held) == cap and prefetched == cap  # of 4 x 8 blocks waiting
+    assert not waits["doc-0"]
+    if cap < 2 * DOC_BLOCKS:  # the second was prefetched in part, the third not at all:
+        assert waits["doc-2"] >= 1  # it was left to its lookup
     assert engine.offload.totals.data["blocks_from_disk"] == 4 * DOC_BLOCKS
     engine.assert_idle()
 
@@ -141,6 +148,37 @@ def test_an_aborted_waiting_request_releases_its_prefetched_blocks(make_engine, 
     engine.run_until_done()
     engine.drain()
     assert engine.outputs["again"] == engine.outputs["first-1"]
+    engine.assert_idle()
+
+
+@pytest.mark.parametrize("end", ["aborted while waiting", "served"])
+def test_the_cpu_hit_a_prefetch_extends_is_released(make_engine, tmp_path, end):
+    """A document's first blocks in the CPU tier, the rest on disk only: the prefetch
+    promotes the rest and pins the CPU hit it extends, until the request is looked up
+    (then served from the CPU tier) or aborted."""
+    engine = _engine(make_engine, tmp_path, prefetch_requests=4, prefetch_cpu_share=1.0)
+    doc = _doc(0)
+    _on_disk_only(engine, [doc])
+    in_cpu = 3
+    engine.add("prefix", doc[:in_cpu * BS + 1])  # promotes its 3 blocks from disk
+    engine.run_until_done()
+    engine.drain()
+    assert engine.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+    totals = engine.offload.totals.data
+    prefetched, hits = totals.get("blocks_prefetched", 0), totals.get("cpu_hit_tokens", 0)
+    fillers, held = _queue_behind_fillers(engine, [doc])
+    assert totals["blocks_prefetched"] - prefetched == DOC_BLOCKS - in_cpu  # from disk
+    assert held[-1] == DOC_BLOCKS  # the promoted blocks and the CPU hit they extend
+    if end == "aborted while waiting":
+        engine.abort(["doc-0"])
+        assert engine.offload.prefetch.num_held_blocks() == 0
+    engine.abort(fillers)
+    engine.run_until_done()
+    engine.drain()
+    if end == "served":
+        assert engine.outputs["doc-0"] == engine.outputs["first-0"]
+        assert totals["cpu_hit_tokens"] - hits == DOC_BLOCKS * BS  # all of it, checked
+    assert engine.offload.num_pinned_cpu_blocks() == 0
     engine.assert_idle()
 
 

@@ -101,16 +101,22 @@ def _twin(engine, req):
     return twin
 
 
-def test_a_second_request_waits_for_the_first_ones_promotion(shared):
-    engine, cpu, tiers, _ = shared
+def _promoting_with_a_twin(engine, tiers):
+    """A request promoting 3 blocks, and a second one on its prompt waiting for them."""
     req = waiting_request(engine, 3)
     twin = _twin(engine, req)
     tiers.index.learn(tier_keys(req, 3))
     assert tiers.lookup(req, (), 0, 3) is True
     promote = tiers.take_jobs().promote
-    assert len(promote.items) == 3
     assert tiers.lookup(twin, (), 0, 3) is True  # waits for the same blocks
-    assert tiers.take_jobs().promote is None  # and promotes none of them again
+    return req, twin, promote
+
+
+def test_a_second_request_waits_for_the_first_ones_promotion(shared):
+    engine, cpu, tiers, _ = shared
+    req, twin, promote = _promoting_with_a_twin(engine, tiers)
+    assert len(promote.items) == 3
+    assert tiers.take_jobs().promote is None  # the twin promotes none of them again
     tiers.on_reports({promote.job_id: JobReport(ranks=2)})
     hit, tokens = cpu.find_hit(twin.block_hashes, 0, 10_000)
     assert tokens == 3 * BS
@@ -123,12 +129,7 @@ def test_a_second_request_waits_for_the_first_ones_promotion(shared):
 
 def test_a_request_waiting_on_a_frozen_promotion_recomputes_after_the_timeout(shared):
     engine, cpu, tiers, clock = shared
-    req = waiting_request(engine, 3)
-    twin = _twin(engine, req)
-    tiers.index.learn(tier_keys(req, 3))
-    assert tiers.lookup(req, (), 0, 3) is True
-    promote = tiers.take_jobs().promote
-    assert tiers.lookup(twin, (), 0, 3) is True
+    req, twin, promote = _promoting_with_a_twin(engine, tiers)
     clock.now += TIMEOUT_S + 0.1
     assert tiers.lookup(twin, (), 0, 3) is False  # stops waiting, recomputes
     assert tiers.stats.totals.data["mooncake_timeouts"] == 1

@@ -8,7 +8,7 @@ landed, fails the test unless it was reported as a failed load.
 import threading
 import time
 
-from support.disk_files import flip_a_byte_of_every_block
+from support.disk_files import flip_a_byte_of_block, flip_a_byte_of_every_block
 
 BS = 16
 PAGE = BS * 128  # one harness block: 16 tokens x 128 bytes of K and V
@@ -36,11 +36,12 @@ def _serve(engine, *requests):
 
 
 def _on_disk_only(engine, *docs):
-    """Serve each document, then two others: each leaves the device and the CPU tier."""
-    for i, doc in enumerate(docs):
-        _serve(engine, (f"first-{i}", doc))
+    """Serve each document, then two others: each leaves the device and the CPU tier.
+    The first requests, with their block hashes."""
+    first = [_serve(engine, (f"first-{i}", doc))[0] for i, doc in enumerate(docs)]
     for i in range(2):
         _serve(engine, (f"other-{i}", _doc(50 + i)))
+    return first
 
 
 def _rounds(engine):
@@ -132,6 +133,69 @@ def test_a_corrupted_block_ends_the_hit_there(make_engine, tmp_path):
     assert engine.outputs["again"] == engine.outputs["first-0"]
     assert _delta(engine, before, "blocks_from_disk") == 0
     assert _delta(engine, before, "staged_hits") == 0
+    engine.assert_idle()
+
+
+def test_a_corrupted_block_in_the_middle_ends_the_hit_there(make_engine, tmp_path):
+    """The blocks before it are served; nothing after it is promoted or loaded."""
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    (first,) = _on_disk_only(engine, doc)
+    bad = DOC_BLOCKS // 2 - 1  # not at a promotion's edge: CPU_BLOCKS does not divide it
+    flip_a_byte_of_block(engine.worker.worker.tier.root, first.block_hashes[bad])
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first-0"]
+    assert _delta(engine, before, "blocks_from_disk") == bad  # none from it on
+    assert engine.cached_tokens["again"] == bad * BS  # recomputed from it on
+    assert _delta(engine, before, "staged_hits") == 0
+    engine.assert_idle()
+
+
+def test_a_failed_first_round_ends_the_hit_there(make_engine, tmp_path):
+    """Its copy failed: no later round is promoted or sent, and the request recomputes."""
+    from support import flaky_backend  # noqa: F401 (registers flaky-loads: one load fails)
+
+    engine = _engine(make_engine, tmp_path, backend="flaky-loads")
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    assert engine.worker.worker.backend.failed_loads == 0  # no load yet: the next one fails
+    before, sent = dict(engine.offload.totals.data), len(engine.sent)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first-0"]
+    assert engine.worker.worker.backend.failed_loads == 1
+    rounds = [r for meta in engine.sent[sent:] if meta is not None for r in meta.rounds]
+    assert sum(not r.final for r in rounds) == 1  # the one that failed, and the last
+    # At most the promotion in flight when it failed came on: not the whole document.
+    assert _delta(engine, before, "blocks_from_disk") <= 2 * CPU_BLOCKS < DOC_BLOCKS
+    assert _delta(engine, before, "staged_hits") == 0
+    engine.assert_idle()
+
+
+def test_a_rounds_cpu_blocks_wait_for_every_rank(make_engine, tmp_path):
+    """With two ranks, a round's CPU blocks stay pinned until the second one reported it."""
+    from support.second_rank import SecondRank
+
+    engine = _engine(make_engine, tmp_path, ranks=2)
+    rank1 = SecondRank(engine)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    engine.add("again", doc)
+    cpu_blocks = engine.offload.cpu.pool.blocks
+    checked = 0
+    for _ in range(2000):
+        if "again" in engine.finished:
+            break
+        engine.step()
+        sent = {r.job_id: r for meta in engine.sent if meta is not None for r in meta.rounds}
+        for job in rank1.rounds_waiting:  # rank 0 reported it in this step, rank 1 not yet
+            assert all(cpu_blocks[b].ref_cnt for b in sent[job].cpu_blocks), job
+            checked += 1
+    assert checked >= 2
+    engine.drain()
+    assert engine.outputs["again"] == engine.outputs["first-0"]
+    assert engine.cached_tokens["again"] == DOC_BLOCKS * BS
+    assert engine.offload.totals.data["staged_hits"] == 1
     engine.assert_idle()
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvoffload_hal.config import OffloadConfig
 from kvoffload_hal.tiers import registry
+from support.entry_points import install_entry_points
 from support.memory_tier import ENTRY_POINT, MemoryTier
 
 BS = 16
@@ -24,18 +25,10 @@ def memory_tier():
     registry.unregister_tier("memory")
 
 
-def _install_entry_point(tmp_path, monkeypatch, name, target):
-    """A distribution on sys.path that declares ``name`` in the tiers' entry-point group."""
-    dist = tmp_path / "memtier-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: memtier\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\n{name} = {target}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-
 def test_an_entry_point_tier_is_found_with_its_keys(tmp_path, monkeypatch, caplog):
     assert "memory_tier_blocks" not in registry.tier_keys()
-    _install_entry_point(tmp_path, monkeypatch, "memory", ENTRY_POINT)
+    install_entry_points(tmp_path, monkeypatch,
+                         {registry.ENTRY_POINT_GROUP: {"memory": ENTRY_POINT}})
     assert registry.tier_targets()["memory"] == ENTRY_POINT
     with caplog.at_level(logging.WARNING):
         config = OffloadConfig.from_extra_config({"memory_tier_blocks": 8})

@@ -102,6 +102,23 @@ def test_weight_files_are_added_or_removed(model_dir):
     assert with_bin != before and digest(model_dir) == before
 
 
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "model.pth", "model.gguf"])
+@pytest.mark.parametrize("alone", [False, True], ids=["in-a-folder", "the-model-path"])
+def test_a_weight_file_of_another_size_changes_it_even_at_the_same_mtime(model_dir, name, alone):
+    """Files other than safetensors have no header to read: their size and time name them."""
+    file = model_dir / name
+    file.write_bytes(b"W" * 64)
+    set_mtime_ns(file, 1_700_000_000_000_000_000)
+    path = file if alone else model_dir
+    before = digest(path)
+    file.write_bytes(b"W" * 65)  # one more byte, the old time restored (cp -p, rsync -t)
+    set_mtime_ns(file, 1_700_000_000_000_000_000)
+    assert digest(path) != before
+    file.write_bytes(b"W" * 64)
+    set_mtime_ns(file, 1_700_000_000_000_000_000)
+    assert digest(path) == before
+
+
 def test_computed_once_per_folder(model_dir):
     first = digest(model_dir)
     (model_dir / "extra.pt").write_bytes(b"x")

@@ -1,0 +1,29 @@
+"""Rank 1 of an engine harness built with ``ranks=2`` (its one worker plays rank 0).
+
+Every job rank 0 reports, rank 1 reports too, in the same step, as a worker
+that copied the same blocks would; only the rounds of staged hits come one step
+late, so that a test sees what the scheduler does between the two reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvoffload_hal.metadata import JobReport, OffloadWorkerMetadata
+
+
+class SecondRank:
+    def __init__(self, engine) -> None:
+        self._late: dict[int, JobReport] = {}
+        # Rounds rank 0 reported in the last step and rank 1 did not yet.
+        self.rounds_waiting: set[int] = set()
+        self._build = engine.worker.build_connector_worker_meta
+        engine.worker.build_connector_worker_meta = self._both_ranks
+
+    def _both_ranks(self) -> OffloadWorkerMetadata | None:
+        mine = self._build() or OffloadWorkerMetadata()
+        other = dataclasses.replace(mine, rounds=self._late)
+        self._late = dict(mine.rounds)
+        self.rounds_waiting = set(self._late)
+        both = mine.aggregate(other)
+        return both if both else None
