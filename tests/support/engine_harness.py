@@ -157,6 +157,11 @@ class Engine:
         self.worker = HALOffloadConnector(self.vllm_config, KVConnectorRole.WORKER,
                                           self.kv_cache_config)
         self.worker.register_kv_caches({f"layer.{g}": self.kv_storage for g in range(len(groups))})
+        # As vLLM's engine core does once the KV caches are registered: the handshake
+        # (a restarted tier's blocks reach the index before the first request).
+        handshake = self.worker.get_handshake_metadata()
+        if handshake is not None:
+            self.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
         as_bytes = self.kv_storage.view(torch.uint8).view(num_gpu_blocks, block_size, -1)
         self.model = FakeModel({g: as_bytes for g in range(len(groups))},
                                [block_size] * len(groups),
