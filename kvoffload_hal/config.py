@@ -41,6 +41,12 @@ key                     default     meaning
                                     the CPU hits they extend
 ``prefetch_blocks``     0           the same cap in blocks (int >= 0; 0: only the
                                     share applies); the smaller cap wins
+``shutdown_flush_       2.0         longest an engine with no request left keeps
+timeout_s``                         stepping for its last stores and tier writes
+                                    (after its last request finished, also when it
+                                    stops), and, again, longest the workers wait at
+                                    shutdown for tier writes still running; writes
+                                    unfinished then are dropped whole (seconds >= 0)
 ======================  ==========  =================================================
 
 Each secondary tier owns its keys and documents them: the disk tier
@@ -65,6 +71,7 @@ from kvoffload_hal.config_values import (
     count,
     one_of,
     positive_int,
+    seconds,
     share,
     whole_blocks,
 )
@@ -85,10 +92,14 @@ DEFAULT_CPU_BYTES_TO_USE = 4 << 30
 # tier for the hits, loads and stores of the requests that run.
 DEFAULT_PREFETCH_REQUESTS = 4
 DEFAULT_PREFETCH_CPU_SHARE = 0.25
+# vLLM gives an engine core it stops 5 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) before it
+# kills it: the last steps' writes and the workers' wait for them, 2 s each at most, fit.
+DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S = 2.0
 
 
 CORE_KEYS = ("cpu_bytes_to_use", "lazy_offload", "load_mode", "allow_overcommit", "eviction",
-             "prefetch_requests", "prefetch_cpu_share", "prefetch_blocks")
+             "prefetch_requests", "prefetch_cpu_share", "prefetch_blocks",
+             "shutdown_flush_timeout_s")
 LOAD_MODES = ("auto", "async", "sync")
 
 
@@ -102,6 +113,7 @@ class OffloadConfig:
     prefetch_requests: int = DEFAULT_PREFETCH_REQUESTS
     prefetch_cpu_share: float = DEFAULT_PREFETCH_CPU_SHARE
     prefetch_blocks: int = 0  # 0: the share alone caps what prefetched requests hold
+    shutdown_flush_timeout_s: float = DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S
     tier: TierSpec | None = None  # the secondary tier behind the CPU tier, if any
 
     @classmethod
@@ -127,6 +139,8 @@ class OffloadConfig:
             prefetch_cpu_share=share("prefetch_cpu_share", extra.get(
                 "prefetch_cpu_share", DEFAULT_PREFETCH_CPU_SHARE)),
             prefetch_blocks=count("prefetch_blocks", extra.get("prefetch_blocks", 0), "blocks"),
+            shutdown_flush_timeout_s=seconds("shutdown_flush_timeout_s", extra.get(
+                "shutdown_flush_timeout_s", DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S)),
             tier=parse_tier(extra),
         )
 

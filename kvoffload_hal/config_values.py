@@ -26,6 +26,13 @@ def positive_seconds(key: str, value: Any) -> float:
     return float(value)
 
 
+def seconds(key: str, value: Any) -> float:
+    """A number of seconds >= 0 (0 usually meaning: do not wait)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{where(key, value)}: expected a number of seconds >= 0")
+    return float(value)
+
+
 def boolean(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{where(key, value)}: expected true or false")

@@ -22,8 +22,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
+from kvoffload_hal.metadata import OffloadHandshake
 from kvoffload_hal.metrics import OffloadPromMetrics, OffloadStats
 from kvoffload_hal.scheduler.core import OffloadScheduler
+from kvoffload_hal.scheduler.exit_flush import ExitFlush
 from kvoffload_hal.worker.core import OffloadWorker
 
 if TYPE_CHECKING:
@@ -57,6 +59,8 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: OffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = OffloadScheduler(vllm_config, kv_cache_config, config)
+            self.exit_flush = ExitFlush.for_engine(config.shutdown_flush_timeout_s,
+                                                   self.scheduler.caps.secondary_tier)
         else:
             self.worker = OffloadWorker(vllm_config, kv_cache_config, config)
 
@@ -83,18 +87,24 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        meta.release_requests = self.exit_flush.take_released(
+            self.scheduler.has_pending_transfers())
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, (block_ids,))
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        delayed, params = self.scheduler.request_finished(request, block_ids)
+        # vLLM < 0.32: the last request may be held for the last writes (exit_flush.py).
+        return self.exit_flush.on_finished(request.request_id, delayed,
+                                           self.scheduler.has_pending_transfers()), params
 
     def take_events(self) -> Iterable[Any]:
         return self.scheduler.take_events()
@@ -103,17 +113,34 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.reset_cache()
 
     def has_pending_push_work(self) -> bool:
-        """Keeps an idle engine stepping until the last stores are confirmed.
+        """Keeps an idle engine stepping until the last stores and spills are confirmed,
+        for at most ``shutdown_flush_timeout_s`` after its last request finished
+        (scheduler/exit_flush.py); the engine core also asks while it shuts down.
 
         Until a step collects a store's result, its device blocks stay pinned and
-        its CPU copy unpublished. vLLM < 0.32 never asks: there the last stores of
-        an engine that goes idle are confirmed by its next step (the next request).
+        its CPU copy unpublished. vLLM < 0.32 never asks: there the last request is
+        held instead, with a secondary tier; without one the last stores of an
+        engine that goes idle are confirmed by its next step (the next request).
         That is safe: the pinned device blocks keep their hashes, so the device
         prefix cache still serves them meanwhile, and nothing unconfirmed is ever
-        loaded from the CPU tier. On vLLM's CPU platform stores are confirmed in
-        the step that runs them, so nothing waits.
+        loaded from the CPU tier.
         """
-        return self.scheduler is not None and self.scheduler.has_pending_transfers()
+        return self.scheduler is not None and self.exit_flush.steps_for_writes(
+            self.scheduler.has_pending_transfers())
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]
+                                             ) -> None:
+        """Every rank's :class:`OffloadHandshake` (vLLM's KV connector handshake), taken
+        after the workers registered their KV caches and before the first request: the
+        blocks a restarted tier kept enter the index now, so the first request finds
+        them."""
+        self.set_xfer_handshake_metadata(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
+        for handshake in metadata.values():
+            if isinstance(handshake, OffloadHandshake):
+                self.scheduler.cascade.on_found(handshake.tier_found,
+                                                handshake.tier_scans_done)
 
     # ------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches) -> None:
@@ -144,6 +171,10 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self):
         return self.worker.build_connector_worker_meta()
+
+    def get_handshake_metadata(self) -> OffloadHandshake | None:
+        """Once, at start-up: the blocks this rank's tier kept from before a restart."""
+        return self.worker.handshake() if self.worker is not None else None
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -8,7 +8,9 @@ most one job of each kind, each ``None`` when the step has none. Job specs are
 immutable ``NamedTuple``s: built every step, so cheap to make, and safe to
 share (the worker launches them, never edits them). Worker ->
 scheduler: :class:`OffloadWorkerMetadata`, the jobs this rank finished; vLLM
-sums it over ranks with :meth:`OffloadWorkerMetadata.aggregate`.
+sums it over ranks with :meth:`OffloadWorkerMetadata.aggregate`. Worker ->
+scheduler, once at start-up (vLLM's KV connector handshake, before the first
+request): :class:`OffloadHandshake`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -84,6 +87,9 @@ class OffloadMetadata(KVConnectorMetadata):
     rounds: tuple[LoadSpec, ...] = ()  # staged hits' loads, after ``load`` in job order
     # A request was preempted: wait for every transfer before blocks are reused.
     need_flush: bool = False
+    # Finished requests whose blocks vLLM may free now: kept at their finish until
+    # the last writes were done (scheduler/exit_flush.py), reported in finished_sending.
+    release_requests: tuple[str, ...] = ()
 
 
 class JobReport(NamedTuple):
@@ -131,6 +137,17 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
                                      self.failed_loads | other.failed_loads,
                                      self.tier_found + other.tier_found,
                                      self.tier_scans_done + other.tier_scans_done)
+
+
+@dataclass
+class OffloadHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once, after the KV caches are registered and before the
+    first request: the blocks a restarted tier kept from before the restart (as in
+    :attr:`OffloadWorkerMetadata.tier_found`), so that the first request finds them,
+    and whether this rank finished looking (0 or 1; the rest then comes with steps)."""
+
+    tier_found: list[BlockKey] = field(default_factory=list)
+    tier_scans_done: int = 0
 
 
 def _merge(a: dict[int, JobReport], b: dict[int, JobReport]) -> dict[int, JobReport]:

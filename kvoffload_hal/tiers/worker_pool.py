@@ -11,13 +11,19 @@ tier), each returning the keys that failed, and what to do with keys to forget.
 
 Faults: a batch call that raises fails every key of its batch (they are
 recomputed), logged once per kind of error; it never fails the engine step.
-Shutdown cancels queued calls and waits a bounded time for running ones: a hung
-mount or store must not hang the engine's exit.
+
+Shutdown: writes already submitted (stores and deletions) get ``flush_s`` to
+finish, reads and existence queries still queued are cancelled at once. Then the
+writes left are dropped: queued ones cancelled, running ones told through
+:attr:`closing` (a tier drops a write it has not published yet, never leaves one
+half-written), and running calls get a bounded wait: a hung mount or store must
+not hang the engine's exit.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -43,6 +49,14 @@ class PooledTier(SecondaryTier):
     def __init__(self, io_threads: int = IO_THREADS) -> None:
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix=f"kvoffload-{self.name}")
         self._jobs: dict[int, list[Future]] = {}
+        self._writes: set[int] = set()  # ids of store jobs, flushed at shutdown
+        self._background: list[Future] = []  # deletions, flushed at shutdown
+        self._closing = threading.Event()
+
+    @property
+    def closing(self) -> bool:
+        """Shutdown gave up waiting for writes: drop a write not published yet."""
+        return self._closing.is_set()
 
     # ------------------------------------------------------------- hooks
     def _store_batch(self, items: list[TierItem]) -> Iterable[BlockKey]:
@@ -67,6 +81,7 @@ class PooledTier(SecondaryTier):
     # ------------------------------------------------------------- the ABC
     def submit_store(self, job_id: int, items: Sequence[TierItem]) -> None:
         self._jobs[job_id] = self._submit(self._store_batch, items)
+        self._writes.add(job_id)
 
     def submit_load(self, job_id: int, items: Sequence[TierItem]) -> None:
         self._jobs[job_id] = self._submit(self._load_batch, items)
@@ -77,6 +92,7 @@ class PooledTier(SecondaryTier):
     def poll(self) -> list[TierJobResult]:
         results = []
         for job_id in [j for j, fs in self._jobs.items() if all(f.done() for f in fs)]:
+            self._writes.discard(job_id)
             failed = tuple(k for f in self._jobs.pop(job_id) for k in f.result())
             results.append(TierJobResult(job_id, failed))
         return results
@@ -86,18 +102,36 @@ class PooledTier(SecondaryTier):
         if keys:
             self._forget(keys)
 
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
-        """Cancel queued IO and wait at most ``timeout_s`` for IO in progress.
-        True when no IO still runs (the tier is then closed); False when some may
-        still read or write CPU-tier memory."""
+    def shutdown(self, timeout_s: float = 10.0, flush_s: float = 0.0) -> bool:
+        """Let submitted writes finish for at most ``flush_s`` (reads and queries still
+        queued are cancelled), drop the writes left, then wait at most ``timeout_s``
+        for IO in progress. True when no IO still runs (the tier is then closed);
+        False when some may still read or write CPU-tier memory."""
+        for job_id, futures in self._jobs.items():
+            if job_id not in self._writes:
+                for f in futures:
+                    f.cancel()  # only those not started
+        self._flush(flush_s)
+        self._closing.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        running = [f for fs in self._jobs.values() for f in fs]
+        running = [f for fs in self._jobs.values() for f in fs] + list(self._background)
         _, not_done = futures_wait(running, timeout=timeout_s)
         if not_done:
             logger.warning("%s: %d IO call(s) still running after %.0f s at shutdown",
                            self.label, len(not_done), timeout_s)
         self._close(idle=not not_done)
         return not not_done
+
+    def _flush(self, flush_s: float) -> None:
+        writes = [f for j in self._writes for f in self._jobs.get(j, ())]
+        writes += self._background
+        if not writes:
+            return
+        _, unfinished = futures_wait(writes, timeout=flush_s)
+        if unfinished:
+            logger.warning("%s: %d write call(s) unfinished %.1f s into shutdown "
+                           "(shutdown_flush_timeout_s); they are dropped, none is left "
+                           "half-written", self.label, len(unfinished), flush_s)
 
     @property
     def num_pending(self) -> int:
@@ -112,7 +146,8 @@ class PooledTier(SecondaryTier):
 
     def _in_background(self, fn: Callable[..., object], *args: object) -> None:
         """Run ``fn`` on the pool, outside any job (deletions)."""
-        self._pool.submit(fn, *args)
+        self._background = [f for f in self._background if not f.done()]
+        self._background.append(self._pool.submit(fn, *args))
 
     def _guarded(self, call: Batch, items: list[TierItem]) -> list[BlockKey]:
         """Run one batch; any exception fails its keys (recomputed), never the step."""

@@ -29,9 +29,15 @@ Contract of :class:`SecondaryTier` (every method on the engine thread):
 ``submit_probe(job_id, keys)`` (shared tiers only)
     Ask which keys the tier holds now, for blocks other instances wrote; the
     job's result fails the keys it does not hold.
-``shutdown(timeout_s)``
-    Stop, waiting at most ``timeout_s`` for jobs in flight. True when no job
-    still runs; False when one may still read or write CPU-tier memory.
+``take_found()``, ``wait_found(timeout_s)`` (tiers that outlive a server)
+    The blocks kept from before a restart, handed over once each; ``wait_found``
+    blocks until all are found (at most ``timeout_s``), once, at start-up, so
+    that the first request already finds them.
+``shutdown(timeout_s, flush_s)``
+    Stop: writes already submitted get at most ``flush_s`` to finish, and those
+    unfinished then are dropped whole (never left half-written); then wait at
+    most ``timeout_s`` for jobs in flight. True when no job still runs; False
+    when one may still read or write CPU-tier memory.
 
 Runs in each worker process. The scheduler process keeps an index of what the tier
 holds (``scheduler/cascade/``); :mod:`kvoffload_hal.tiers.spec` ties both halves together.
@@ -85,7 +91,11 @@ class SecondaryTier(ABC):
         (oldest first), and True once when it has found them all (or never looks)."""
         return [], False
 
-    def shutdown(self, timeout_s: float = 10.0) -> bool:
+    def wait_found(self, timeout_s: float) -> None:
+        """Block until :meth:`take_found` has every block kept from before a restart
+        (at most ``timeout_s``); at start-up, before the first request."""
+
+    def shutdown(self, timeout_s: float = 10.0, flush_s: float = 0.0) -> bool:
         return True
 
 

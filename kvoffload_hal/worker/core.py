@@ -33,6 +33,7 @@ from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import (
     JobReport,
     LoadSpec,
+    OffloadHandshake,
     OffloadMetadata,
     OffloadWorkerMetadata,
     StoreSpec,
@@ -53,8 +54,12 @@ logger = init_logger(__name__)
 
 STATS_CARRIER_STEPS = 2  # see OffloadWorker.get_stats
 
-# How long shutdown waits for copies and tier IO in flight.
+# How long shutdown waits for copies and tier IO in flight (writes first get
+# shutdown_flush_timeout_s, and are dropped when it is over).
 SHUTDOWN_TIMEOUT_S = 10.0
+# How long start-up waits for a restarted tier to list the blocks it kept (about
+# 0.3 s per 100 000 files on a local disk); what it lists later comes with the steps.
+FOUND_AT_START_WAIT_S = 120.0
 # Host buffers a copy or tier IO may still use after shutdown gave up waiting:
 # kept referenced until the process exits, never freed under a running copy.
 _BUSY_AT_SHUTDOWN: list[HostChunks] = []
@@ -86,6 +91,7 @@ class OffloadWorker:
         self.tier: SecondaryTier = NullTier()
         self.host: HostChunks | None = None  # the CPU tier's host memory
         self._unlaunched = _Unlaunched()
+        self._release: set[str] = set()  # requests the scheduler held for its last writes
         self.loads = LoadOutcomes(self.caps)
         self._reports = OffloadWorkerMetadata()
         self.stats = StatsLedger()
@@ -121,10 +127,26 @@ class OffloadWorker:
             self.num_cpu_blocks * bytes_per_block / 2**30, len(self.host.chunks), backend.name,
         )
 
+    def handshake(self) -> OffloadHandshake | None:
+        """Once, before the first request: every block a restarted tier kept (waiting
+        at most :data:`FOUND_AT_START_WAIT_S` for it to list them), for the scheduler's
+        index; None without a secondary tier."""
+        if not self.caps.secondary_tier:
+            return None
+        self.tier.wait_found(FOUND_AT_START_WAIT_S)
+        handshake = OffloadHandshake()
+        while True:
+            found, done = self.tier.take_found()
+            handshake.tier_found += found
+            handshake.tier_scans_done += done
+            if not found:
+                return handshake
+
     # ------------------------------------------------------------ per step
     def bind_connector_metadata(self, metadata: OffloadMetadata) -> None:
         self._unlaunched = _Unlaunched(metadata.load, metadata.store, metadata.tier,
                                        metadata.rounds)
+        self._release.update(metadata.release_requests)
 
     def clear_connector_metadata(self) -> None:
         self._unlaunched = _Unlaunched()
@@ -153,9 +175,12 @@ class OffloadWorker:
 
         Returns ``(finished_sending, finished_recving, failed_recving)``; a failed
         load is in both of the last two, so the request leaves its wait state.
+        ``finished_sending``: requests the scheduler held for its last writes and
+        releases now (scheduler/exit_flush.py).
         """
+        released, self._release = self._release, set()
         if self.backend is None:
-            return set(), set(), set()
+            return released, set(), set()
         self.loads.forget(finished_req_ids)
         launched = self._launch_pending()
         if launched and self.backend.synchronous_compute:
@@ -168,7 +193,7 @@ class OffloadWorker:
         self._reports.tier_found += found
         self._reports.tier_scans_done += scan_done
         finished, failed = self.loads.take()
-        return set(), finished, failed
+        return released, finished, failed
 
     def _launch_pending(self) -> bool:
         """Launch what the bound metadata holds and was not launched yet."""
@@ -234,11 +259,12 @@ class OffloadWorker:
     def shutdown(self) -> None:
         """Stop the tier and the backend; free the host buffer once nothing can use it.
 
-        A copy or a tier IO still running after :data:`SHUTDOWN_TIMEOUT_S` (a hung
-        device or mount) would write into freed memory: the buffer is then kept
-        until the process exits instead, with a warning.
+        Tier writes already submitted get ``shutdown_flush_timeout_s`` to finish, and
+        are dropped whole after it. A copy or a tier IO still running after
+        :data:`SHUTDOWN_TIMEOUT_S` (a hung device or mount) would write into freed
+        memory: the buffer is then kept until the process exits instead, with a warning.
         """
-        tier_idle = self.tier.shutdown(SHUTDOWN_TIMEOUT_S)
+        tier_idle = self.tier.shutdown(SHUTDOWN_TIMEOUT_S, self.config.shutdown_flush_timeout_s)
         self.tier = NullTier()
         backend, host = self.backend, self.host
         self.backend, self.host = None, None

@@ -157,6 +157,11 @@ class Engine:
         self.worker = HALOffloadConnector(self.vllm_config, KVConnectorRole.WORKER,
                                           self.kv_cache_config)
         self.worker.register_kv_caches({f"layer.{g}": self.kv_storage for g in range(len(groups))})
+        # As vLLM's engine core does once the KV caches are registered: the handshake
+        # (a restarted tier's blocks reach the index before the first request).
+        handshake = self.worker.get_handshake_metadata()
+        if handshake is not None:
+            self.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
         as_bytes = self.kv_storage.view(torch.uint8).view(num_gpu_blocks, block_size, -1)
         self.model = FakeModel({g: as_bytes for g in range(len(groups))},
                                [block_size] * len(groups),
@@ -211,7 +216,7 @@ class Engine:
             sampled.append([self.model.next_token(req)] if done_prefill else [])
         if not load_first:
             self.worker.start_load_kv(None)
-        recving, failed = self._transfer_results(so.finished_req_ids)
+        sending, recving, failed = self._transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
         stray = [(r, b) for r, b in wrong_reads if b not in errors]
         assert not stray, f"wrong KV read, not reported as a failed load: {stray[:5]}"
@@ -223,7 +228,8 @@ class Engine:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
-                finished_recving=recving, kv_connector_worker_meta=worker_meta,
+                finished_sending=sending, finished_recving=recving,
+                kv_connector_worker_meta=worker_meta,
                 invalid_block_ids=errors, kv_connector_stats=self.worker.get_kv_connector_stats(),
                 **({"failed_recving": failed} if vllm_compat.REPORTS_FAILED_RECVING else {})),
         )
@@ -240,13 +246,15 @@ class Engine:
         if not so.num_scheduled_tokens:
             time.sleep(0.001)  # an idle engine step is short: let the copy thread run
 
-    def _transfer_results(self, finished: set[str]) -> tuple[set[str], set[str]]:
-        """As the model runner of this vLLM asks for them: (finished, failed) loads."""
+    def _transfer_results(self, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """As the model runner of this vLLM asks for them: requests whose blocks the
+        connector releases, and (finished, failed) loads."""
         if vllm_compat.HAS_TRANSFER_RESULTS:
             results = self.worker.get_transfer_results(finished)
-            return results.finished_recving, results.failed_recving
-        _, recving = self.worker.get_finished(finished)
-        return recving or set(), set()
+            return (results.finished_sending or set(), results.finished_recving,
+                    results.failed_recving)
+        sending, recving = self.worker.get_finished(finished)
+        return sending or set(), recving or set(), set()
 
     def run_until_done(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):

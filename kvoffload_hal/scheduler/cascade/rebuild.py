@@ -2,7 +2,9 @@
 
 A disk tier that adopted a stopped server's directory reports the blocks it
 finds there (:mod:`~kvoffload_hal.tiers.disk.rebuild`), each rank for its own
-shard, oldest first. A block is readable only when every rank holds its shard,
+shard, oldest first: all of them in vLLM's KV connector handshake, before the
+first request, and what a listing longer than the handshake's wait finds later
+with the steps. A block is readable only when every rank holds its shard,
 so a key enters the index (:meth:`TierIndex.adopt`) once ``world_size`` ranks
 reported it. When every rank has finished looking, keys some ranks lack are
 deleted from the ranks that have them: no request could use them, and they

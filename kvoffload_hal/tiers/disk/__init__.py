@@ -14,8 +14,12 @@ key                    default     meaning
                                    ``remove``: a clean shutdown removes them
 =====================  ==========  =================================================
 
+Writes still in flight when an engine goes idle or stops get ``shutdown_flush_timeout_s``
+(a core key: :mod:`kvoffload_hal.config`) to finish, and are dropped whole after it.
+
 The scheduler keeps ``disk_bytes_to_use / (TP x PP)`` bytes' worth of blocks per
-rank, and rebuilds its index from the kept directory after a restart; the worker half is
+rank, and rebuilds its index from the kept directory after a restart, before the first
+request (the workers list it and hand the keys over at start-up); the worker half is
 :class:`~kvoffload_hal.tiers.disk.worker.DiskTier`, one private directory per
 rank. Models with several KV cache groups keep one file per (group, block).
 """

@@ -1,9 +1,9 @@
-"""A restarted server's disk tier: the blocks its predecessor left, found in the background.
+"""A restarted server's disk tier: the blocks its predecessor left, listed at start-up.
 
 When the tier adopts a stopped server's directory (:mod:`.dirs`), its files
 are valid blocks for this server (same fingerprint), but the scheduler's index
-starts empty. :class:`DirScan` lists the directory on its own thread while the
-server runs:
+starts empty. :class:`DirScan` lists the directory on its own thread, started
+when the KV caches are registered, so that it runs while vLLM warms the model up:
 
 * every ``<key[:2]>/<key>.kvb`` file is a block; the keys are handed over
   oldest first (by modification time), so that the index, filling in that
@@ -13,8 +13,11 @@ server runs:
 * a file is not read here: a read checks its header, key, fingerprint and
   checksum, and a damaged one is recomputed like any other failed read.
 
-The worker takes the keys found with :meth:`DirScan.take` each step and reports
-them to the scheduler (:attr:`~kvoffload_hal.metadata.OffloadWorkerMetadata.tier_found`).
+The worker waits for the listing in vLLM's KV connector handshake, before the
+first request, and hands every key found to the scheduler
+(:class:`~kvoffload_hal.metadata.OffloadHandshake`); a listing longer than that
+wait goes on, its keys taken with :meth:`DirScan.take` each step and reported in
+:attr:`~kvoffload_hal.metadata.OffloadWorkerMetadata.tier_found`.
 """
 
 from __future__ import annotations

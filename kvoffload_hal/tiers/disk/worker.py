@@ -11,11 +11,15 @@ fails that key; the scheduler drops it and vLLM recomputes the block.
 
 Writes go to a temporary file first and are renamed into place, so a reader
 sees a whole file or none; the temporary is removed on every error, and short
-writes are errors. Restarts (``keep``, the default retention): a server adopts a
-stopped server's directory written with its own fingerprint, and finds its
-blocks in the background (:mod:`~kvoffload_hal.tiers.disk.rebuild`); other
-directories of servers that are gone are removed at start-up. With ``remove``,
-the tier starts empty and removes its directory at a clean shutdown.
+writes are errors. A write still running when shutdown stops waiting for writes
+(``shutdown_flush_timeout_s``) removes its temporary instead of renaming it.
+
+Restarts (``keep``, the default retention): a server adopts a stopped server's
+directory written with its own fingerprint, and lists its blocks
+(:mod:`~kvoffload_hal.tiers.disk.rebuild`) for the scheduler's index before the
+first request; other directories of servers that are gone are removed at
+start-up. With ``remove``, the tier starts empty and removes its directory at a
+clean shutdown.
 
 IO runs on a small thread pool (file IO releases the GIL), so the engine never
 waits on the disk; results are polled like copy jobs.
@@ -83,6 +87,10 @@ class DiskTier(PooledTier):
         for key in keys:
             self._in_background(_unlink, self._path(key))
 
+    def wait_found(self, timeout_s: float) -> None:
+        if self._scan is not None:
+            self._scan.join(timeout_s)
+
     def take_found(self) -> tuple[list[BlockKey], bool]:
         """A new directory has nothing to find: done at once (each rank says done once)."""
         if self._scan is None:
@@ -105,11 +113,16 @@ class DiskTier(PooledTier):
         """Returns ``key`` if it failed, None on success (run on the IO pool)."""
         tmp = None
         try:
+            if self.closing:
+                return key  # shutdown stopped waiting for writes: dropped
             data = self._encode(key, cpu_block)
             path = self._path(key)
             os.makedirs(os.path.dirname(path), mode=DIR_MODE, exist_ok=True)
             tmp = f"{path}.{threading.get_ident()}.tmp"
             self._write_file(tmp, data)
+            if self.closing:  # dropped whole: never published
+                _unlink(tmp)
+                return key
             os.replace(tmp, path)
             return None
         except Exception as e:  # noqa: BLE001 - any fault fails the key, never the step

@@ -57,13 +57,35 @@ def test_a_restarted_engine_serves_the_blocks_its_predecessor_kept(make_engine, 
     _first_engine(make_engine, tmp_path)
     assert len(_block_files(tmp_path)) == NUM_DOCS * DOC_TOKENS // BS
     engine = _engine(make_engine, tmp_path)
-    engine.drain()  # idle steps while the index fills from the files
+    # The index is whole at start-up (the workers' handshake), before any step.
+    assert engine.steps == 0 and not engine.offload.cascade.rebuild.pending
     assert engine.offload.cascade.rebuild.adopted == NUM_DOCS * DOC_TOKENS // BS
     _serve_all(engine, "b", suffix=[7])  # every full block of each document is a hit
+    assert engine.cached_tokens["b0"] == DOC_TOKENS  # the very first request too
     totals = engine.offload.totals.data
     assert totals["blocks_from_disk"] == NUM_DOCS * DOC_TOKENS // BS
     assert totals["cpu_hit_tokens"] == NUM_DOCS * DOC_TOKENS  # every block, every read checked
     engine.assert_idle()
+
+
+def test_a_block_some_rank_lacks_is_never_indexed_and_its_files_go(make_engine, tmp_path):
+    """Two ranks: the harness's worker plays rank 0, this test reports rank 1's handshake
+    (the same keys as vLLM's engine core would gather), which lacks half the blocks."""
+    from kvoffload_hal.metadata import OffloadHandshake
+
+    _first_engine(make_engine, tmp_path)
+    keys = sorted(f[:-len(".kvb")] for f in _block_files(tmp_path))
+    engine = make_engine(cpu_blocks=12, ranks=2, extra_config={
+        "disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 2 * 200 * PAGE})
+    rebuild = engine.offload.cascade.rebuild
+    assert rebuild.pending and rebuild.adopted == 0  # rank 0 alone holds nothing whole
+    engine.connector.set_xfer_handshake_metadata_pp_aware(
+        {(0, 1): OffloadHandshake(keys[:15], tier_scans_done=1)})
+    index = engine.offload.cascade.index
+    assert not rebuild.pending and rebuild.adopted == 15
+    assert all(index.is_ready(k) for k in keys[:15])
+    assert not any(k in index for k in keys[15:])
+    assert sorted(engine.offload.cascade.take_jobs().evictions) == keys[15:]
 
 
 def test_with_retention_remove_a_restart_starts_empty(make_engine, tmp_path):
