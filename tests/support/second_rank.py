@@ -2,14 +2,15 @@
 
 Every job rank 0 reports, rank 1 reports too, in the same step, as a worker
 that copied the same blocks would; only the rounds of staged hits come one step
-late, so that a test sees what the scheduler does between the two reports.
+late, so that a test sees what the scheduler does between the two reports. At
+start-up it hands over rank 1's handshake: a fresh tier, which kept nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from kvoffload_hal.metadata import JobReport, OffloadWorkerMetadata
+from kvoffload_hal.metadata import JobReport, OffloadHandshake, OffloadWorkerMetadata
 
 
 class SecondRank:
@@ -19,6 +20,8 @@ class SecondRank:
         self.rounds_waiting: set[int] = set()
         self._build = engine.worker.build_connector_worker_meta
         engine.worker.build_connector_worker_meta = self._both_ranks
+        engine.connector.set_xfer_handshake_metadata_pp_aware(
+            {(0, 1): OffloadHandshake(tier_scans_done=1)})
 
     def _both_ranks(self) -> OffloadWorkerMetadata | None:
         mine = self._build() or OffloadWorkerMetadata()
