@@ -22,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
+from kvoffload_hal.logger import init_logger
+from kvoffload_hal.metadata import CpuTierShape
 from kvoffload_hal.metrics import OffloadPromMetrics, OffloadStats
 from kvoffload_hal.scheduler.core import OffloadScheduler
 from kvoffload_hal.worker.core import OffloadWorker
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+logger = init_logger(__name__)
 
 
 class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
@@ -96,6 +100,27 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._fit_cpu_tier_to_ranks(metadata.values())
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Every rank's :class:`CpuTierShape`, keyed by (PP rank, TP rank), at start-up."""
+        self._fit_cpu_tier_to_ranks(metadata.values())
+
+    def _fit_cpu_tier_to_ranks(self, shapes: Iterable[Any]) -> None:
+        """The scheduler sized its CPU tier from the first pipeline stage's layers
+        (vLLM gives it that rank's KV cache config); a stage with more layers (an
+        uneven split, a draft model's layers on the last stage) holds fewer blocks
+        in its share of ``cpu_bytes_to_use``. Use no block id that rank lacks."""
+        counts = [s.num_cpu_blocks for s in shapes if isinstance(s, CpuTierShape)]
+        cpu = self.scheduler.cpu if self.scheduler is not None else None
+        if cpu is None or not counts or min(counts) >= cpu.num_blocks:
+            return
+        logger.info("HALOffloadConnector: a rank holds %d CPU blocks, fewer than the %d sized "
+                    "from the first pipeline stage's layers: the CPU tier uses %d",
+                    min(counts), cpu.num_blocks, min(counts))
+        cpu.keep_below(min(counts))
+
     def take_events(self) -> Iterable[Any]:
         return self.scheduler.take_events()
 
@@ -118,6 +143,9 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> CpuTierShape | None:
+        return self.worker.handshake() if self.worker is not None else None
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -138,3 +139,14 @@ def _merge(a: dict[int, JobReport], b: dict[int, JobReport]) -> dict[int, JobRep
     for job, report in b.items():
         out[job] = out[job].merge(report) if job in out else report
     return out
+
+
+@dataclass(frozen=True)
+class CpuTierShape(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start-up (vLLM's connector handshake): the CPU
+    blocks this rank holds. Ranks of different pipeline stages hold different
+    layers, so the same share of ``cpu_bytes_to_use`` makes different block
+    counts; the scheduler, which sized its tier from the first stage's layers,
+    never hands out a block id the smallest of them lacks."""
+
+    num_cpu_blocks: int
