@@ -62,7 +62,6 @@ valid keys.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +75,7 @@ from kvoffload_hal.config_values import (
     whole_blocks,
 )
 from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, eviction_names
+from kvoffload_hal.host_memory import host_memory
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.registry import parse_tier, tier_keys
 from kvoffload_hal.tiers.spec import CapacityClaim, TierSpec
@@ -177,17 +177,39 @@ def check_capacity(config: OffloadConfig, world_size: int, *, before_allocating:
         logger.warning("%s; accepted since allow_overcommit is set", what)
 
 
-def host_memory(field: str) -> int:
-    """``MemTotal`` or ``MemAvailable`` of ``/proc/meminfo``, in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    pages = "SC_PHYS_PAGES" if field == "MemTotal" else "SC_AVPHYS_PAGES"
-    return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
+def local_replicas(parallel_config) -> int:
+    """Data-parallel ranks of this server on this host that this rank knows of.
+
+    vLLM keeps ``data_parallel_size_local`` for ranks that run in lockstep (MoE
+    models). It runs the ranks of a dense model as independent engines and tells
+    each it is alone, but leaves it its local index: rank ``i`` then knows of
+    ranks ``0..i``, and the last local rank of them all.
+    """
+    size = getattr(parallel_config, "data_parallel_size_local", 1) or 1
+    index = getattr(parallel_config, "data_parallel_rank_local", None)
+    return max(size, (index or 0) + 1)
+
+
+def check_replicas(config: OffloadConfig, replicas: int, available: int) -> None:
+    """Refuse CPU tiers of ``replicas`` data-parallel ranks that overcommit the host together.
+
+    Each rank holds ``cpu_bytes_to_use`` (one server's ranks start together, so
+    each checking only its own tier would let them overcommit the host):
+    their sum must fit in ``available``, the memory available as the ranks
+    started (before any of them allocated). One line naming the key, the count
+    and the figures; a warning with ``allow_overcommit``.
+    """
+    total = replicas * config.cpu_bytes_to_use
+    if replicas <= 1 or total <= available:
+        return
+    what = (f"kv_connector_extra_config['cpu_bytes_to_use'] gives each of {replicas} "
+            f"data-parallel ranks on this host {config.cpu_bytes_to_use} bytes "
+            f"({_gib(total)} in all), more than the {_gib(available)} of memory available "
+            "as they started")
+    if not config.allow_overcommit:
+        raise ValueError(f"{what}: expected at most {available // replicas} bytes per "
+                         "data-parallel rank (or set 'allow_overcommit': true)")
+    logger.warning("%s; accepted since allow_overcommit is set", what)
 
 
 def _gib(num_bytes: int) -> str:

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
+from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadHandshake
 from kvoffload_hal.metrics import OffloadPromMetrics, OffloadStats
 from kvoffload_hal.scheduler.core import OffloadScheduler
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+logger = init_logger(__name__)
 
 
 class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
@@ -130,17 +133,32 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]
                                              ) -> None:
-        """Every rank's :class:`OffloadHandshake` (vLLM's KV connector handshake), taken
-        after the workers registered their KV caches and before the first request: the
-        blocks a restarted tier kept enter the index now, so the first request finds
-        them."""
+        """Every rank's :class:`OffloadHandshake` (vLLM's KV connector handshake), keyed
+        by (PP rank, TP rank), taken after the workers registered their KV caches and
+        before the first request."""
         self.set_xfer_handshake_metadata(metadata)
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
-        for handshake in metadata.values():
-            if isinstance(handshake, OffloadHandshake):
-                self.scheduler.cascade.on_found(handshake.tier_found,
-                                                handshake.tier_scans_done)
+        if self.scheduler is None:
+            return
+        handshakes = [h for h in metadata.values() if isinstance(h, OffloadHandshake)]
+        self._fit_cpu_tier_to_ranks(h.num_cpu_blocks for h in handshakes if h.num_cpu_blocks)
+        for handshake in handshakes:  # a restarted tier's blocks: the first request finds them
+            self.scheduler.cascade.on_found(handshake.tier_found, handshake.tier_scans_done)
+
+    def _fit_cpu_tier_to_ranks(self, counts: Iterable[int]) -> None:
+        """The scheduler sized its CPU tier from the first pipeline stage's layers
+        (vLLM gives it that rank's KV cache config); a stage with more layers (an
+        uneven split, a draft model's layers on the last stage) holds fewer blocks
+        in its share of ``cpu_bytes_to_use``. Use no block id that rank lacks."""
+        counts = list(counts)
+        cpu = self.scheduler.cpu if self.scheduler is not None else None
+        if cpu is None or not counts or min(counts) >= cpu.num_blocks:
+            return
+        logger.info("HALOffloadConnector: a rank holds %d CPU blocks, fewer than the %d sized "
+                    "from the first pipeline stage's layers: the CPU tier uses %d",
+                    min(counts), cpu.num_blocks, min(counts))
+        cpu.keep_below(min(counts))
 
     # ------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches) -> None:
@@ -173,7 +191,8 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.build_connector_worker_meta()
 
     def get_handshake_metadata(self) -> OffloadHandshake | None:
-        """Once, at start-up: the blocks this rank's tier kept from before a restart."""
+        """Once, at start-up: this rank's CPU blocks, and the blocks its tier kept from
+        before a restart."""
         return self.worker.handshake() if self.worker is not None else None
 
     def shutdown(self) -> None:

@@ -142,10 +142,18 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
 @dataclass
 class OffloadHandshake(KVConnectorHandshakeMetadata):
     """Worker -> scheduler, once, after the KV caches are registered and before the
-    first request: the blocks a restarted tier kept from before the restart (as in
-    :attr:`OffloadWorkerMetadata.tier_found`), so that the first request finds them,
-    and whether this rank finished looking (0 or 1; the rest then comes with steps)."""
+    first request (vLLM's connector handshake):
 
+    * the CPU blocks this rank holds: ranks of different pipeline stages hold different
+      layers, so the same share of ``cpu_bytes_to_use`` makes different block counts,
+      and the scheduler, which sized its tier from the first stage's layers, never
+      hands out a block id the smallest of them lacks;
+    * the blocks a restarted tier kept from before the restart (as in
+      :attr:`OffloadWorkerMetadata.tier_found`), so that the first request finds them,
+      and whether this rank finished looking (0 or 1; the rest then comes with steps).
+    """
+
+    num_cpu_blocks: int = 0
     tier_found: list[BlockKey] = field(default_factory=list)
     tier_scans_done: int = 0
 
@@ -155,3 +163,5 @@ def _merge(a: dict[int, JobReport], b: dict[int, JobReport]) -> dict[int, JobRep
     for job, report in b.items():
         out[job] = out[job].merge(report) if job in out else report
     return out
+
+

@@ -10,7 +10,14 @@ CONNECTOR_NAME = "HALOffloadConnector"
 
 
 def register() -> None:
-    """Make ``kv_connector="HALOffloadConnector"`` resolve to our connector."""
+    """Make ``kv_connector="HALOffloadConnector"`` resolve to our connector.
+
+    Also records the memory available as the process starts, before it loads a
+    model or allocates a KV cache (:mod:`kvoffload_hal.host_memory`).
+    """
+    from kvoffload_hal.host_memory import note_start
+
+    note_start()
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME in KVConnectorFactory._registry:

@@ -38,6 +38,8 @@ class EngineSpec:
     tensor_parallel_size: int = 1  # > 1: worker processes ("mp" executor), one per rank
     max_num_batched_tokens: int | None = None
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+    speculative_config: dict[str, Any] | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
 
     def llm_kwargs(self) -> dict[str, Any]:
@@ -51,6 +53,10 @@ class EngineSpec:
         )
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.speculative_config is not None:
+            kwargs["speculative_config"] = dict(self.speculative_config)
         if self.offload:
             kwargs["kv_transfer_config"] = offload_transfer_config(
                 cpu_bytes_to_use=self.cpu_bytes_to_use, lazy_offload=self.lazy_offload,

@@ -151,7 +151,20 @@ class CpuTier:
 
     def num_pinned_blocks(self) -> int:
         """Blocks referenced by a hit or a copy (0 when the tier is idle)."""
-        return sum(1 for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null)
+        return sum(1 for b in self.pool.blocks[:self.num_blocks]
+                   if b.ref_cnt > 0 and not b.is_null)
+
+    def keep_below(self, num_blocks: int) -> None:
+        """Never hand out a block id ``>= num_blocks``: some rank holds only that many.
+
+        Called at start-up, before any request: the blocks above are referenced
+        for good, so they are never allocated (a copy to or from them would run
+        past that rank's host memory).
+        """
+        if num_blocks >= self.num_blocks:
+            return
+        self.pool.touch(self.pool.blocks[num_blocks:self.num_blocks])
+        self.num_blocks = num_blocks
 
     # ------------------------------------------------------- blocks, hashes
     def num_free_blocks(self) -> int:

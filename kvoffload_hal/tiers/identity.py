@@ -11,8 +11,10 @@ bytes depend on, and a read checks both:
 * the KV cache: dtype, block size, the layout of every KV tensor (its
   dtype, its shape without the block count, the order of its strides) and
   the KV cache groups (kind, block size, layers of each);
-* the parallel layout: TP and PP sizes and this worker's rank (each rank
-  holds its own shard);
+* the parallel layout: TP and PP sizes and this worker's rank within its
+  replica (each rank holds its own shard; the ranks of different data-parallel
+  replicas that hold the same shard compute the same bytes, so the
+  data-parallel rank is not part of it: :func:`rank_in_replica`);
 * vLLM's block-hash function and its seed (``PYTHONHASHSEED``).
 
 A mismatch is a miss, recomputed like any other.
@@ -56,6 +58,18 @@ def kv_group_layout(kv_cache_config: Any) -> list[tuple[str, int, int]]:
     group id is part of every block key, so the order names what a key holds)."""
     return [(type(g.kv_cache_spec).__name__, g.kv_cache_spec.block_size, len(g.layer_names))
             for g in kv_cache_config.kv_cache_groups]
+
+
+def rank_in_replica(world_rank: int, ranks_per_replica: int) -> int:
+    """The rank of a worker within its data-parallel replica (its TP x PP position).
+
+    vLLM numbers the workers of data-parallel replicas that run in lockstep (MoE
+    models) across replicas: rank ``dp_rank * (TP x PP) + local``. Two replicas'
+    workers at the same position hold the same shard of the same KV, and must
+    share their blocks; the TP and PP position stays in the fingerprint, since
+    it names which shard the bytes are.
+    """
+    return world_rank % max(1, ranks_per_replica)
 
 
 def kv_fingerprint(vllm_config: VllmConfig, kv_tensors: Sequence[torch.Tensor],

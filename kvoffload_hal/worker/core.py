@@ -24,11 +24,18 @@ import torch
 
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.capabilities import resolve_capabilities
-from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
+from kvoffload_hal.config import (
+    OffloadConfig,
+    check_capacity,
+    check_replicas,
+    local_replicas,
+    num_cpu_blocks,
+)
 from kvoffload_hal.hal import Direction, DmaCopyBackend, JobResult, TransferJob, create_backend
 from kvoffload_hal.hal.host import HostChunks
 from kvoffload_hal.hal.layouts import describe_kv_caches, flatten_kv_caches
 from kvoffload_hal.hal.regions import host_bytes_per_block
+from kvoffload_hal.host_memory import available_at_start
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import (
     JobReport,
@@ -40,7 +47,7 @@ from kvoffload_hal.metadata import (
     TierJobs,
 )
 from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
-from kvoffload_hal.tiers.identity import kv_fingerprint
+from kvoffload_hal.tiers.identity import kv_fingerprint, rank_in_replica
 from kvoffload_hal.tiers.registry import build_worker_half
 from kvoffload_hal.tiers.spec import WorkerTierContext
 from kvoffload_hal.tiers.worker_tier import NullTier, SecondaryTier
@@ -107,6 +114,8 @@ class OffloadWorker:
         if not tensors:
             raise ValueError("HALOffloadConnector: no KV cache tensors to offload")
         check_capacity(self.config, self.world_size, before_allocating=True)
+        check_replicas(self.config, local_replicas(self.vllm_config.parallel_config),
+                       available_at_start())
         backend = create_backend(device=tensors[0].device)
         regions = describe_kv_caches(kv_caches, self.num_gpu_blocks, backend.describe_kv_tensor)
         bytes_per_block = host_bytes_per_block(regions)
@@ -117,7 +126,8 @@ class OffloadWorker:
         if self.caps.secondary_tier:
             self.tier = build_worker_half(self.config.tier, True, WorkerTierContext(
                 self.rank, self.world_size, self.host.chunks, self.host.region_views(),
-                kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks, self.rank,
+                kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks,
+                               rank_in_replica(self.rank, self.world_size),
                                self.kv_cache_config),
                 vllm_compat.prefix_caching_hash_algo(self.vllm_config)))
         logger.info(
@@ -127,14 +137,14 @@ class OffloadWorker:
             self.num_cpu_blocks * bytes_per_block / 2**30, len(self.host.chunks), backend.name,
         )
 
-    def handshake(self) -> OffloadHandshake | None:
-        """Once, before the first request: every block a restarted tier kept (waiting
-        at most :data:`FOUND_AT_START_WAIT_S` for it to list them), for the scheduler's
-        index; None without a secondary tier."""
+    def handshake(self) -> OffloadHandshake:
+        """Once, before the first request: how many CPU blocks this rank holds, and
+        every block a restarted tier kept (waiting at most :data:`FOUND_AT_START_WAIT_S`
+        for it to list them), for the scheduler's index."""
+        handshake = OffloadHandshake(self.num_cpu_blocks)
         if not self.caps.secondary_tier:
-            return None
+            return handshake
         self.tier.wait_found(FOUND_AT_START_WAIT_S)
-        handshake = OffloadHandshake()
         while True:
             found, done = self.tier.take_found()
             handshake.tier_found += found

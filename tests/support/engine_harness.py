@@ -116,7 +116,16 @@ class Engine:
                  block_size: int = 16, lazy: bool = False, sliding_window: int | None = None,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 32,
                  ranks: int = 1, extra_config: dict | None = None,
-                 kv_events: bool = False, scheduling_policy: str = "fcfs") -> None:
+                 kv_events: bool = False, scheduling_policy: str = "fcfs",
+                 peer_layers: tuple[int, ...] = (), parallel: dict | None = None,
+                 handshake: bool = True) -> None:
+        """``ranks`` > 1: the one worker here plays rank 0 and a test reports for the
+        others. ``peer_layers``: real workers for the other ranks instead, one per
+        entry with that many layers (pipeline stages hold different layers; the
+        scheduler, as in vLLM, is given rank 0's config); each gets every step's
+        metadata, runs its copies and reports. ``parallel``: ``ParallelConfig``
+        fields set after the config is built. ``handshake``: give the scheduler the
+        workers' start-up metadata, as vLLM's engine core does."""
         self.block_size = block_size
         groups = [FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
                                     head_size=HEAD_DIM, dtype=torch.bfloat16)]
@@ -132,6 +141,7 @@ class Engine:
             kv_cache_groups=[KVCacheGroupSpec([f"layer.{g}"], spec)
                              for g, spec in enumerate(groups)],
         )
+        ranks = max(ranks, 1 + len(peer_layers))
         cpu_bytes = cpu_blocks * page * ranks  # split evenly across ranks
         args = EngineArgs(
             kv_events_config=(KVEventsConfig(enable_kv_cache_events=True, publisher="null")
@@ -146,6 +156,8 @@ class Engine:
         self.vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks  # set by profiling in vLLM
         # With ranks > 1 the one worker here plays rank 0; a test reports for the others.
         self.vllm_config.parallel_config.world_size = ranks
+        for key, value in (parallel or {}).items():
+            setattr(self.vllm_config.parallel_config, key, value)
         self.scheduler = Scheduler(self.vllm_config, self.kv_cache_config,
                                    StructuredOutputManager(self.vllm_config),
                                    block_size=block_size, log_stats=True)
@@ -157,11 +169,14 @@ class Engine:
         self.worker = HALOffloadConnector(self.vllm_config, KVConnectorRole.WORKER,
                                           self.kv_cache_config)
         self.worker.register_kv_caches({f"layer.{g}": self.kv_storage for g in range(len(groups))})
-        # As vLLM's engine core does once the KV caches are registered: the handshake
-        # (a restarted tier's blocks reach the index before the first request).
-        handshake = self.worker.get_handshake_metadata()
-        if handshake is not None:
-            self.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        self.peers = [_peer_worker(self.vllm_config, groups[0], num_gpu_blocks, n)
+                      for n in peer_layers]
+        if handshake:  # vLLM's engine core, once the workers registered their KV caches:
+            # each rank's CPU blocks, and the blocks a restarted tier kept (in the index
+            # before the first request)
+            self.connector.set_xfer_handshake_metadata_pp_aware({
+                (rank, 0): w.get_handshake_metadata()
+                for rank, w in enumerate([self.worker, *self.peers])})
         as_bytes = self.kv_storage.view(torch.uint8).view(num_gpu_blocks, block_size, -1)
         self.model = FakeModel({g: as_bytes for g in range(len(groups))},
                                [block_size] * len(groups),
@@ -175,6 +190,8 @@ class Engine:
         self.sent: list[OffloadMetadata] = []  # each step's metadata, as the workers got it
         self.reported: list[OffloadWorkerMetadata] = []  # this rank's reports
         self.published: Counter[str] = Counter()  # connector stats as vLLM published them
+        self._recving: Counter[str] = Counter()  # finished loads: how many ranks reported each
+        self._sending: Counter[str] = Counter()  # released requests, likewise
 
     # ------------------------------------------------------------ requests
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4,
@@ -197,33 +214,23 @@ class Engine:
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         self.sent.append(meta)
-        self.worker.handle_preemptions(meta)
-        self.worker.bind_connector_metadata(meta)
+        workers = [self.worker, *self.peers]
+        for w in workers:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
         # As vLLM's model runner: synchronous loads before the forward pass.
         # vLLM < 0.32 has no such flag and always calls start_load_kv before the pass.
         load_first = getattr(so, "has_sync_kv_loads", True)
         if load_first:
-            self.worker.start_load_kv(None)
-        req_ids, sampled, wrong_reads = [], [], []
-        for req_id, n in so.num_scheduled_tokens.items():
-            req = self.scheduler.requests[req_id]
-            end = req.num_computed_tokens  # already advanced by schedule()
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            self.model.run(req, block_ids, end - n, end, wrong_reads)
-            self.cached_tokens.setdefault(req_id, end - n)  # where its first pass starts
-            req_ids.append(req_id)
-            done_prefill = end >= req.num_tokens
-            sampled.append([self.model.next_token(req)] if done_prefill else [])
+            for w in workers:
+                w.start_load_kv(None)
+        req_ids, sampled, wrong_reads = self._forward(so)
         if not load_first:
-            self.worker.start_load_kv(None)
-        sending, recving, failed = self._transfer_results(so.finished_req_ids)
-        errors = self.worker.get_block_ids_with_load_errors()
+            for w in workers:
+                w.start_load_kv(None)
+        sending, recving, failed, errors, worker_meta = self._collect(so.finished_req_ids)
         stray = [(r, b) for r, b in wrong_reads if b not in errors]
         assert not stray, f"wrong KV read, not reported as a failed load: {stray[:5]}"
-        worker_meta = self.worker.build_connector_worker_meta()
-        if worker_meta is not None:
-            self.reported.append(worker_meta)
-        self.worker.clear_connector_metadata()
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
@@ -246,15 +253,45 @@ class Engine:
         if not so.num_scheduled_tokens:
             time.sleep(0.001)  # an idle engine step is short: let the copy thread run
 
-    def _transfer_results(self, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """As the model runner of this vLLM asks for them: requests whose blocks the
-        connector releases, and (finished, failed) loads."""
-        if vllm_compat.HAS_TRANSFER_RESULTS:
-            results = self.worker.get_transfer_results(finished)
-            return (results.finished_sending or set(), results.finished_recving,
-                    results.failed_recving)
-        sending, recving = self.worker.get_finished(finished)
-        return sending or set(), recving or set(), set()
+    def _forward(self, so) -> tuple[list[str], list[list[int]], list[tuple[str, int]]]:
+        """The fake model's pass over the scheduled tokens: (requests, sampled, wrong reads)."""
+        req_ids, sampled, wrong_reads = [], [], []
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            end = req.num_computed_tokens  # already advanced by schedule()
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            self.model.run(req, block_ids, end - n, end, wrong_reads)
+            self.cached_tokens.setdefault(req_id, end - n)  # where its first pass starts
+            req_ids.append(req_id)
+            done_prefill = end >= req.num_tokens
+            sampled.append([self.model.next_token(req)] if done_prefill else [])
+        return req_ids, sampled, wrong_reads
+
+    def _collect(self, finished: set[str]):
+        """Every rank's results of this step, summed as vLLM sums ranks: a load is
+        finished (a request's blocks released) once every rank reported it; failures
+        and reports are merged."""
+        recving, failed, errors, worker_meta = set(), set(), set(), None
+        for rank, w in enumerate([self.worker, *self.peers]):
+            released, done, bad = _transfer_results(w, finished)
+            self._sending.update(released)
+            self._recving.update(done)
+            failed |= bad
+            errors |= w.get_block_ids_with_load_errors()
+            report = w.build_connector_worker_meta()
+            if rank == 0 and report is not None:
+                self.reported.append(report)
+            if report is not None:
+                worker_meta = report if worker_meta is None else worker_meta.aggregate(report)
+            w.clear_connector_metadata()
+        ranks = 1 + len(self.peers)
+        sending, recving = ({r for r, n in c.items() if n >= ranks}
+                            for c in (self._sending, self._recving))
+        for r in sending:
+            del self._sending[r]
+        for r in recving:
+            del self._recving[r]
+        return sending, recving, failed, errors, worker_meta
 
     def run_until_done(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
@@ -286,4 +323,32 @@ class Engine:
         assert gpu_pool.get_num_free_blocks() == gpu_pool.num_gpu_blocks - 1
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for w in [self.worker, *self.peers]:
+            w.shutdown()
+
+
+def _transfer_results(worker, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
+    """As the model runner of this vLLM asks a worker for them: requests whose blocks
+    the connector releases, and (finished, failed) loads."""
+    if vllm_compat.HAS_TRANSFER_RESULTS:
+        results = worker.get_transfer_results(finished)
+        return (results.finished_sending or set(), results.finished_recving,
+                results.failed_recving)
+    sending, recving = worker.get_finished(finished)
+    return sending or set(), recving or set(), set()
+
+
+def _peer_worker(vllm_config, spec, num_gpu_blocks: int, num_layers: int) -> HALOffloadConnector:
+    """The worker of another rank, holding ``num_layers`` layers of ``spec`` (its own
+    KV cache config, as each pipeline stage has)."""
+    layers = [f"peer.{i}" for i in range(num_layers)]
+    config = KVCacheConfig(
+        num_blocks=num_gpu_blocks,
+        kv_cache_tensors=[_kv_cache_tensor(spec.page_size_bytes, num_gpu_blocks, [name])
+                          for name in layers],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    worker = HALOffloadConnector(vllm_config, KVConnectorRole.WORKER, config)
+    worker.register_kv_caches({
+        name: torch.zeros(num_gpu_blocks, spec.block_size, 2 * HEADS * HEAD_DIM,
+                          dtype=torch.bfloat16) for name in layers})
+    return worker

@@ -26,7 +26,8 @@ TIMEOUT_S = 2.0  # mooncake_timeout_s
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def start_server(model: str, master: str, log_path: Path) -> Server:
+def start_server(model: str, master: str, log_path: Path, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> Server:
     config = {"kv_connector": CONNECTOR, "kv_role": "kv_both",
               "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {
@@ -38,7 +39,8 @@ def start_server(model: str, master: str, log_path: Path) -> Server:
                   "mooncake_timeout_s": TIMEOUT_S, "mooncake_connect_timeout_s": 1.0,
                   "mooncake_required": True}}
     server = Server(model, log_path, num_gpu_blocks=40, offload=False,
-                    extra_args=["--kv-transfer-config", json.dumps(config)])
+                    extra_args=["--kv-transfer-config", json.dumps(config), *extra_args],
+                    env=env)
     try:
         server.wait_ready()
     except BaseException:
@@ -58,26 +60,33 @@ class Probe:
         self.server = server
         self.client = server.client()
 
-    def complete(self, seed: int) -> tuple[str, int]:
-        """The greedy completion of ``prompt(seed)`` and its cached prompt tokens."""
+    def complete(self, seed: int, rank: int | None = None) -> tuple[str, int]:
+        """The greedy completion of ``prompt(seed)`` and its cached prompt tokens;
+        ``rank``: the data-parallel rank that serves it (vLLM's routing header)."""
+        headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
         response = self.client.completions.create(
             model=self.server.model, prompt=prompt(seed), max_tokens=8, temperature=0.0,
-            extra_body={"ignore_eos": True})
+            extra_body={"ignore_eos": True}, extra_headers=headers)
         details = response.usage.prompt_tokens_details  # vLLM 0.23 leaves it out at 0
         return response.choices[0].text, details.cached_tokens if details is not None else 0
 
-    def counters(self) -> dict[str, float]:
-        families = self.server.metrics()
+    def counters(self, engine: int | None = None) -> dict[str, float]:
+        """The connector's counters, of every engine or of data-parallel rank ``engine``."""
+        families = self.server.metrics(by_engine=engine is not None)
         prefix = "vllm:kvoffload_hal_"
-        return {name[len(prefix):]: sum(samples.values()) for name, samples in families.items()
+        wanted = None if engine is None else ("engine", str(engine))
+        return {name[len(prefix):]: sum(v for labels, v in samples.items()
+                                        if wanted is None or wanted in labels)
+                for name, samples in families.items()
                 if name.startswith(prefix) and not name.endswith("_created")}
 
-    def settled(self, ready, timeout_s: float = 20.0) -> dict[str, float]:
+    def settled(self, ready, timeout_s: float = 20.0,
+                engine: int | None = None) -> dict[str, float]:
         """Counters once ``ready(counters)`` holds (stats reach /metrics a step late);
         the last ones read when it never does."""
         deadline = time.monotonic() + timeout_s
         while True:
-            values = self.counters()
+            values = self.counters(engine)
             if ready(values) or time.monotonic() > deadline:
                 return values
             time.sleep(0.25)

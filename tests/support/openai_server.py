@@ -63,7 +63,7 @@ class Server:
     """One server process and its log file."""
 
     def __init__(self, model: str, log_path: Path, *, num_gpu_blocks: int, offload: bool,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None):
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -71,7 +71,7 @@ class Server:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             server_args(model, self.port, num_gpu_blocks, offload, extra_args or []),
-            env=server_env(),
+            env={**server_env(), **(env or {})},
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
@@ -105,8 +105,9 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code
 
-    def metrics(self) -> dict[str, dict[tuple, float]]:
-        """Prometheus families by name: ``{sample labels (sorted, minus engine/model): value}``."""
+    def metrics(self, by_engine: bool = False) -> dict[str, dict[tuple, float]]:
+        """Prometheus families by name: ``{sample labels (sorted, minus model and, unless
+        ``by_engine``, engine): value}`` (a data-parallel server has one engine per rank)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
@@ -117,8 +118,9 @@ class Server:
             for sample in family.samples:
                 if sample.name.endswith("_created"):
                     continue
+                dropped = ("model_name",) if by_engine else ("engine", "model_name")
                 labels = tuple(sorted((k, v) for k, v in sample.labels.items()
-                                      if k not in ("engine", "model_name")))
+                                      if k not in dropped))
                 samples[labels] = samples.get(labels, 0.0) + sample.value
         return families
 

@@ -166,3 +166,20 @@ def test_prefetch_keys_are_validated(key, value, expected):
     with pytest.raises(ValueError) as e:
         OffloadConfig.from_extra_config({key: value})
     assert str(e.value) == f"kv_connector_extra_config['{key}']={value!r}: {expected}"
+
+
+def test_each_data_parallel_rank_counts_the_local_ranks_it_knows_of():
+    from types import SimpleNamespace
+
+    from kvoffload_hal.config import local_replicas
+
+    # A dense model: vLLM runs each rank as an engine of its own and tells it it is
+    # alone (size 1), but leaves it its local index; the last rank knows of them all.
+    dense = [SimpleNamespace(data_parallel_size_local=1, data_parallel_rank_local=i)
+             for i in range(4)]
+    assert [local_replicas(p) for p in dense] == [1, 2, 3, 4]
+    # A MoE model: the ranks run in lockstep and each knows the local count.
+    moe = SimpleNamespace(data_parallel_size_local=4, data_parallel_rank_local=0)
+    assert local_replicas(moe) == 4
+    single = SimpleNamespace(data_parallel_size_local=1, data_parallel_rank_local=None)
+    assert local_replicas(single) == 1

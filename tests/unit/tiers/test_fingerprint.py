@@ -19,6 +19,7 @@ from kvoffload_hal.tiers.identity import (
     FINGERPRINT_BYTES,
     block_hash_seed_is_random,
     kv_fingerprint,
+    rank_in_replica,
     restart_warning,
 )
 from kvoffload_hal.tiers.weights_digest import local_weights_digest
@@ -204,3 +205,16 @@ def test_no_warning_when_the_blocks_are_not_kept_or_the_seed_is_set(monkeypatch)
     assert restart_warning(True, "/data/kv", "xxhash") is not None
     monkeypatch.setenv("PYTHONHASHSEED", "123")
     assert restart_warning(True, "/data/kv", "xxhash") is None
+
+
+def test_workers_of_two_data_parallel_replicas_share_a_fingerprint_per_tp_rank(inputs):
+    """vLLM numbers the workers of replicas in lockstep (MoE) across replicas:
+    with TP=2, replica 1's workers are ranks 2 and 3. The same TP rank of either
+    replica holds the same shard: one fingerprint; another TP rank: another."""
+    inputs.vllm_config.parallel_config.tensor_parallel_size = 2
+    prints = []
+    for world_rank in range(4):
+        inputs.rank = rank_in_replica(world_rank, 2)
+        prints.append(inputs.fingerprint())
+    assert prints[0] == prints[2] and prints[1] == prints[3]
+    assert prints[0] != prints[1]
