@@ -38,7 +38,8 @@ PACKAGE = "kvoffload_hal"
 
 # Bottom to top: a module imports its own folder and the layers below it.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("base", frozenset({"__init__", "logger", "config_values", "plugins", "vllm_compat"})),
+    ("base", frozenset({"__init__", "logger", "config_values", "plugins", "vllm_compat",
+                       "host_memory"})),
     ("copy contract", frozenset({"hal"})),
     ("plug-in families", frozenset({"tiers", "eviction", "backends"})),
     ("messages and settings", frozenset({"metadata", "metrics", "config"})),
