@@ -153,9 +153,9 @@ class OffloadHandshake(KVConnectorHandshakeMetadata):
       and whether this rank finished looking (0 or 1; the rest then comes with steps).
     """
 
-    num_cpu_blocks: int = 0
     tier_found: list[BlockKey] = field(default_factory=list)
     tier_scans_done: int = 0
+    num_cpu_blocks: int = 0  # 0: not said
 
 
 def _merge(a: dict[int, JobReport], b: dict[int, JobReport]) -> dict[int, JobReport]:

@@ -141,7 +141,7 @@ class OffloadWorker:
         """Once, before the first request: how many CPU blocks this rank holds, and
         every block a restarted tier kept (waiting at most :data:`FOUND_AT_START_WAIT_S`
         for it to list them), for the scheduler's index."""
-        handshake = OffloadHandshake(self.num_cpu_blocks)
+        handshake = OffloadHandshake(num_cpu_blocks=self.num_cpu_blocks)
         if not self.caps.secondary_tier:
             return handshake
         self.tier.wait_found(FOUND_AT_START_WAIT_S)
