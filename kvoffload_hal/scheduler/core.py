@@ -273,6 +273,9 @@ class OffloadScheduler:
         return bool(self.loads.has_pending() or self.stores.has_pending()
                     or self.cascade.has_pending() or self.staged.has_pending() or leftovers)
 
+    def has_pending_block_frees(self) -> bool:
+        return self.stores.holds_last_references()
+
     def _copies_in_flight(self) -> bool:
         """Loads or stores hold CPU blocks until they end (a promotion waits for them)."""
         return (self.loads.has_pending() or self.stores.has_pending()
