@@ -13,10 +13,11 @@ Threads and what they own:
   it owns nothing but the vendor stream it launches on.
 
 They share nothing but two ``queue.SimpleQueue``: ``submit -> copy thread``
-(jobs, each with the region pairs bound at its submission, and flush barriers) and ``copy thread -> engine`` (launched jobs with their
-completion handles), plus one ``threading.Event`` set when a shutdown gives up
-waiting, after which the copy thread launches nothing more (the caller may free
-the memory as soon as ``shutdown`` returns). No list is mutated from two threads.
+(jobs, each with the region pairs bound at its submission, and flush barriers)
+and ``copy thread -> engine`` (launched jobs with their completion handles),
+plus one ``threading.Event`` set when a shutdown gives up waiting, after which
+the copy thread launches nothing more (the caller may free the memory as soon as
+``shutdown`` returns). No list is mutated from two threads.
 A flush puts a barrier behind every queued job and waits for the copy thread to
 reach it, so jobs still queued and not yet launched are waited for as well as
 launched ones.
