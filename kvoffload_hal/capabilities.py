@@ -87,3 +87,20 @@ def _load_recovery(kv_cache_config: KVCacheConfig) -> LoadRecovery:
     if len(groups) == 1:
         return LoadRecovery.BLOCKS
     return LoadRecovery.REQUESTS if vllm_compat.REPORTS_FAILED_RECVING else LoadRecovery.RETRY
+
+
+def sleep_refusal(config: OffloadConfig) -> str | None:
+    """None where vLLM's sleep mode is safe with ``config``, else why not (one line).
+
+    A sleep resets the connector's cache (vLLM calls ``reset_cache`` before it
+    frees the KV cache), because weights may change before the wake-up: the CPU
+    and disk tiers forget every block. A tier shared with other instances keeps
+    its objects, named by the weight files and not by the weights in memory, so
+    blocks computed before a weight update would be served after it.
+    """
+    tier = config.tier
+    if tier is not None and tier.shared_across_instances:
+        return (f"HALOffloadConnector refuses sleep mode with the {tier.display_name()}: "
+                f"other instances share its blocks, whose keys name the weight files, not "
+                f"the weights a sleep may replace; use the CPU or disk tier")
+    return None

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvoffload_hal import vllm_compat
+from kvoffload_hal.capabilities import sleep_refusal
 from kvoffload_hal.config import OffloadConfig
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadHandshake
@@ -69,9 +70,25 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """Sleep mode is refused (vLLM >= 0.33 asks; older releases have no sleep with
-        connectors): sleeping frees and remaps the device KV cache under copies in
-        flight and under the device addresses the copy backend has bound."""
+        """vLLM >= 0.33 asks (older releases have no sleep with connectors).
+
+        Supported with the CPU and disk tiers: the worker drains its copies and
+        rebinds the KV cache's addresses on wake-up (``unregister_kv_caches``,
+        ``restore_kv_caches``), and vLLM resets the connector's cache before a
+        sleep, so no KV computed with the old weights is served after it.
+        Refused with a tier shared across instances (:func:`sleep_refusal`).
+        """
+        config = OffloadConfig.from_extra_config(kv_transfer_config.kv_connector_extra_config)
+        refusal = sleep_refusal(config)
+        if refusal is not None:
+            logger.warning("%s", refusal)
+        return refusal is None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache (vLLM >= 0.33 asks): a store cut short by a preemption
+        is a future miss, and the device blocks a copy reads stay pinned by its job
+        whatever vLLM frees, so a preempted request's output need not be dropped."""
         return False
 
     # ---------------------------------------------------------- scheduler
@@ -108,6 +125,12 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM < 0.32: the last request may be held for the last writes (exit_flush.py).
         return self.exit_flush.on_finished(request.request_id, delayed,
                                            self.scheduler.has_pending_transfers()), params
+
+    def has_pending_block_frees(self) -> bool:
+        """vLLM >= 0.33: device blocks that only a store in flight holds return to
+        the free pool when it ends; the scheduler then waits for them instead of
+        preempting a running request."""
+        return self.scheduler.has_pending_block_frees()
 
     def take_events(self) -> Iterable[Any]:
         return self.scheduler.take_events()
@@ -163,6 +186,18 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33, before sleep frees the KV cache: copies drained, none launched."""
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM >= 0.33, after wake-up: the KV cache's addresses bound anew."""
+        self.worker.restore_kv_caches()
+
+    def finish_forward(self) -> None:
+        """vLLM >= 0.33: the step's forward pass is enqueued; its copies fence on it."""
+        self.worker.finish_forward()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -41,7 +41,16 @@ by source)                                             connector's hits count as
                                                        position
 ``CacheConfig                      (build-dependent)   :func:`prefix_caching_hash_algo`
 .prefix_caching_hash_algo``
+sleep mode with connectors         0.33                :data:`SLEEP_WITH_CONNECTORS`;
+(``unregister_kv_caches``,                             before, vLLM never calls them
+``restore_kv_caches``),
+``finish_forward``,
+``has_pending_block_frees``,
+``requires_kv_delivery``
 =================================  ==================  ===============================
+
+vLLM 0.33's other connector hooks are left at vLLM's defaults, each for a reason
+given in docs/design.md ("vLLM releases").
 """
 
 from __future__ import annotations
@@ -77,6 +86,9 @@ def block_holders_first() -> bool:
     return hasattr(scheduler.Scheduler, "_holds_kv_blocks")
 
 
+# vLLM 0.33: sleep mode with a connector (and the hooks that came with it:
+# finish_forward, has_pending_block_frees, requires_kv_delivery).
+SLEEP_WITH_CONNECTORS: bool = hasattr(connector_base.KVConnectorBase_V1, "restore_kv_caches")
 REPORTS_FAILED_RECVING: bool = "failed_recving" in getattr(
     KVConnectorOutput, "__dataclass_fields__", {})
 _BLOCK_STORED_FIELDS = frozenset(getattr(kv_events.BlockStored, "__struct_fields__", ()))

@@ -1,6 +1,21 @@
-"""Fixtures shared by every suite."""
+"""Fixtures shared by every suite, and the platform the suite runs vLLM on."""
 
 import pytest
+
+from support.vllm_build import cpu_kernels_missing, use_cpu_platform
+
+use_cpu_platform()  # before anything asks vLLM for its platform (support/vllm_build.py)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that run a real model (marked ``e2e`` or ``cpu_kernels``) skip, saying
+    why, where this vLLM build has no CPU kernels (the vLLM 0.33 lane)."""
+    needs = [item for item in items
+             if item.get_closest_marker("e2e") or item.get_closest_marker("cpu_kernels")]
+    reason = cpu_kernels_missing() if needs else None
+    if reason is not None:
+        for item in needs:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,10 @@ How the :class:`~kvoffload_hal.hal.backend.DmaCopyBackend` contract is met:
   block freed by one request and reallocated to a loading one; the
   write-after-read race of vLLM issue #47282). If the event cannot be
   recorded, ``_prepare`` raises and the job is reported failed, never launched.
+  Where vLLM says the forward pass is enqueued (``finish_forward``, vLLM >= 0.33),
+  ``forward_done`` records that event then, and both copy streams wait on it: the
+  step's jobs, submitted after the sampler was enqueued, wait for the forward
+  pass only (the sampler never touches the KV cache), and skip their own event.
 * **Copies**: one ``cuMemcpyBatchAsync`` per job (chunked above
   ``max_descriptors``), else a ``cuMemcpyAsync`` loop (see ``_copy.py``).
 * **Completion**: an event recorded on the copy stream after the batch;
@@ -181,6 +185,16 @@ class CudaCopyBackend(ThreadedCopyBackend):
             return self._record_event(self._compute_stream_handle())
         except Exception as e:
             raise RuntimeError(f"could not record the compute fence: {e}") from e
+
+    def _fence_copy_streams(self) -> None:
+        driver = self._driver
+        assert driver is not None
+        event = self._record_event(self._compute_stream_handle())
+        try:
+            for stream in self._streams.values():
+                driver.check(driver.cuStreamWaitEvent(stream, event, 0), "cuStreamWaitEvent")
+        finally:
+            driver.cuEventDestroy_v2(event)  # the waits are enqueued already
 
     def _launch(self, direction: Direction, batch: CopyBatch, fence: Any) -> _Pending:
         driver, stream = self._driver, self._streams[direction]

@@ -17,7 +17,10 @@ What this backend adds to :class:`~kvoffload_hal.hal.threaded.ThreadedCopyBacken
   request; vLLM issue #47282). So :meth:`_prepare` records a fresh
   ``torch.npu.Event`` on ``torch.npu.current_stream()`` in the engine thread
   for every job, and the copy thread makes the copy stream wait on it before
-  the batch.
+  the batch. Where vLLM says the forward pass is enqueued (``finish_forward``),
+  ``forward_done`` records one event then and both copy streams wait on it: the
+  step's jobs skip their own (they are submitted after the sampler, which never
+  touches the KV cache, so they would wait for it too).
 * **Completion.** After the batch the copy thread records an event on the
   copy stream; ``poll`` queries it, ``flush`` synchronizes it.
 * **Host memory.** :meth:`allocate_host` returns memory from ``aclrtMallocHost``
@@ -187,6 +190,12 @@ class NpuCopyBackend(ThreadedCopyBackend):
         fence = self._npu.Event()
         fence.record(self._npu.current_stream())
         return fence
+
+    def _fence_copy_streams(self) -> None:
+        fence = self._npu.Event()
+        fence.record(self._npu.current_stream())
+        for stream in self._streams.values():
+            stream.wait_event(fence)
 
     def _launch(self, direction: Direction, batch: CopyBatch, fence: Any) -> _NpuHandle:
         if not self._copy_thread_bound:

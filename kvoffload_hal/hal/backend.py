@@ -48,6 +48,18 @@ unless stated otherwise):
     for misuse (not bound, shut down); a job that fails once accepted, even
     before its copies start, is reported failed by ``poll``/``flush``.
 
+``rebind(device_regions)``
+    The device side of the pairs moved (vLLM's sleep mode remaps the KV cache):
+    replace it with regions of the same count and layout, keeping the host side.
+    Called only with no job pending (after ``flush``).
+
+``forward_done()`` / ``step_done()``
+    ``forward_done``: the step's forward pass is enqueued (vLLM's
+    ``finish_forward``); jobs submitted until ``step_done`` may be ordered after
+    that pass instead of after all compute enqueued at their submission (the
+    sampler's, say). ``step_done``: jobs fence at their submission again.
+    Default: nothing (every job fences at its submission, always correct).
+
 ``poll()``
     Non-blocking: the :class:`JobResult` of every job that finished since the
     last call, each exactly once. A job whose copy failed is reported with
@@ -230,6 +242,16 @@ class DmaCopyBackend(ABC):
     def bind(self, device_regions: Sequence[BlockRegion],
              host_regions: Sequence[BlockRegion]) -> None:
         """Fix the region pairs that later jobs copy between."""
+
+    def rebind(self, device_regions: Sequence[BlockRegion]) -> None:
+        """New addresses for the bound device regions (same count and layout)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot follow a KV cache remap")
+
+    def forward_done(self) -> None:
+        """The step's forward pass is enqueued: see the module docstring."""
+
+    def step_done(self) -> None:
+        """Jobs submitted from now on fence at their submission."""
 
     @abstractmethod
     def submit(self, job: TransferJob) -> None:

@@ -13,10 +13,11 @@ Threads and what they own:
   it owns nothing but the vendor stream it launches on.
 
 They share nothing but two ``queue.SimpleQueue``: ``submit -> copy thread``
-(jobs and flush barriers) and ``copy thread -> engine`` (launched jobs with their
-completion handles), plus one ``threading.Event`` set when a shutdown gives up
-waiting, after which the copy thread launches nothing more (the caller may free
-the memory as soon as ``shutdown`` returns). No list is mutated from two threads.
+(jobs, each with the region pairs bound at its submission, and flush barriers)
+and ``copy thread -> engine`` (launched jobs with their completion handles),
+plus one ``threading.Event`` set when a shutdown gives up waiting, after which
+the copy thread launches nothing more (the caller may free the memory as soon as
+``shutdown`` returns). No list is mutated from two threads.
 A flush puts a barrier behind every queued job and waits for the copy thread to
 reach it, so jobs still queued and not yet launched are waited for as well as
 launched ones.
@@ -56,6 +57,7 @@ FLUSH_TIMEOUT_S = 600.0
 class _Launch:
     job: TransferJob
     fence: Any  # from _prepare(), e.g. an event recorded on the compute stream
+    regions: tuple  # (device, host) regions bound when the job was submitted
     error: str | None = None  # _prepare() raised: report this, launch nothing
 
 
@@ -65,6 +67,16 @@ class _Barrier:
 
 
 _STOP = object()
+
+
+def _check_same_layout(old: Sequence[BlockRegion], new: Sequence[BlockRegion]) -> None:
+    """A rebind moves regions; their count and block geometry must stay."""
+    def layout(regions):
+        return [(r.num_blocks, r.block_bytes, r.block_stride_bytes) for r in regions]
+
+    if layout(new) != layout(old):
+        raise ValueError(f"rebind(): the regions' layout changed ({len(new)} regions vs "
+                         f"{len(old)}); only their addresses may")
 
 
 def _error_text(e: BaseException) -> str:
@@ -99,6 +111,8 @@ class ThreadedCopyBackend(DmaCopyBackend):
         self._regions: tuple[tuple[BlockRegion, ...], tuple[BlockRegion, ...]] | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        # forward_done() ordered the copy streams after the step's forward pass.
+        self._fenced_at_forward_end = False
         # Set by a shutdown that timed out: queued jobs are failed, not launched.
         self._abandoned = threading.Event()
 
@@ -116,6 +130,13 @@ class ThreadedCopyBackend(DmaCopyBackend):
     @abstractmethod
     def _launch(self, direction: Direction, batch: CopyBatch, fence: Any) -> Any:
         """Copy thread: start ``batch``; return a handle for :meth:`_query`. Raise on failure."""
+
+    def _fence_copy_streams(self) -> None:
+        """Engine thread: make every copy stream wait for the compute enqueued so far.
+
+        Once it returned, :meth:`_prepare` is skipped until :meth:`step_done`.
+        Raise NotImplementedError where jobs can only fence one by one."""
+        raise NotImplementedError
 
     def _query(self, handle: Any) -> bool:
         """Engine thread, non-blocking: has the launched batch finished? Raise if it failed."""
@@ -146,6 +167,29 @@ class ThreadedCopyBackend(DmaCopyBackend):
         )
         self._thread.start()
 
+    def rebind(self, device_regions: Sequence[BlockRegion]) -> None:
+        if self._regions is None or self._num_pending:
+            why = ("before bind()" if self._regions is None
+                   else f"with {self._num_pending} job(s) pending: flush() first")
+            raise RuntimeError(f"{type(self).__name__}.rebind() {why}")
+        _check_same_layout(self._regions[0], device_regions)
+        self._regions = (tuple(device_regions), self._regions[1])
+
+    def forward_done(self) -> None:
+        if self._regions is None or self._closed:
+            return
+        try:
+            self._fence_copy_streams()
+            self._fenced_at_forward_end = True
+        except NotImplementedError:
+            pass
+        except Exception as e:  # noqa: BLE001 - each job then records its own fence
+            logger.warning("%s: no fence at the forward pass's end (%s); the step's jobs "
+                           "fence at their submission", type(self).__name__, e)
+
+    def step_done(self) -> None:
+        self._fenced_at_forward_end = False
+
     def submit(self, job: TransferJob) -> None:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is shut down")
@@ -155,10 +199,11 @@ class ThreadedCopyBackend(DmaCopyBackend):
             logger.debug("ignoring re-submission of %s job %d", job.direction.value, job.job_id)
             return
         try:
-            launch = _Launch(job, self._prepare(job))
+            fence = None if self._fenced_at_forward_end else self._prepare(job)
+            launch = _Launch(job, fence, self._regions)
         except Exception as e:  # noqa: BLE001 - reported as a failed job, not raised
             logger.error("%s job %d failed to prepare: %s", job.direction.value, job.job_id, e)
-            launch = _Launch(job, None, _error_text(e))
+            launch = _Launch(job, None, self._regions, _error_text(e))
         self._last_job_id[job.direction] = job.job_id
         self._num_pending += 1
         self._submit_q.put(launch)
@@ -235,8 +280,6 @@ class ThreadedCopyBackend(DmaCopyBackend):
 
     # ------------------------------------------------------------- internals
     def _copy_loop(self) -> None:
-        assert self._regions is not None
-        device_regions, host_regions = self._regions
         while True:
             item = self._submit_q.get()
             if item is _STOP:
@@ -250,6 +293,7 @@ class ThreadedCopyBackend(DmaCopyBackend):
                 error = item.error or "backend shut down before launch"
                 self._done_q.put(_Launched(job, None, error, launched_at, 0))
                 continue
+            device_regions, host_regions = item.regions
             try:
                 if job.direction is Direction.STORE:
                     batch = build_copy_batch(device_regions, host_regions,

@@ -271,6 +271,9 @@ class OffloadScheduler:
         return (leftovers or self.stores.has_pending()
                 or any(part.has_pending() for part in self._parts))
 
+    def has_pending_block_frees(self) -> bool:
+        return self.stores.holds_last_references()
+
     def _copies_in_flight(self) -> bool:
         """Loads or stores hold CPU blocks until they end (a promotion waits for them)."""
         return (self.loads.has_pending() or self.stores.has_pending()

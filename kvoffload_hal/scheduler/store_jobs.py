@@ -67,6 +67,12 @@ class StoreJobs:
     def has_pending(self) -> bool:
         return bool(self._queued or self._sent)
 
+    def holds_last_references(self) -> bool:
+        """Whether some device block is kept from the free pool by a store alone
+        (its request finished): it goes back when the store ends."""
+        blocks = self._gpu_pool().blocks
+        return any(blocks[i].ref_cnt == 1 for i in self._in_flight_gpu)
+
     # ------------------------------------------------------------ picking
     def picker(self) -> BlockPicker:
         """A picker for one batch, bounded by the CPU tier's free blocks."""

@@ -11,6 +11,11 @@ the same step. A synchronous load runs earlier, in ``start_load_kv``.
 
 Each job of a step's metadata is launched once: binding the metadata makes its
 jobs pending, and launching one takes it off that list.
+
+Sleep mode (vLLM >= 0.33): ``unregister_kv_caches`` waits for every copy in
+flight (their results go to the next report) and launches no device copy until
+``restore_kv_caches`` has described the KV tensors again and rebound the backend
+to where they are now; a copy bound meanwhile fails (a load is recomputed).
 A load job carries its :class:`~kvoffload_hal.metadata.LoadSpec` as its tag, so
 a completion observed any number of steps later still finds its requests.
 """
@@ -97,6 +102,8 @@ class OffloadWorker:
         self.backend: DmaCopyBackend | None = None
         self.tier: SecondaryTier = NullTier()
         self.host: HostChunks | None = None  # the CPU tier's host memory
+        self._kv_caches: dict | None = None  # as registered: described again on a restore
+        self._asleep = False  # between unregister_kv_caches and restore_kv_caches
         self._unlaunched = _Unlaunched()
         self._release: set[str] = set()  # requests the scheduler held for its last writes
         self.loads = LoadOutcomes(self.caps)
@@ -121,7 +128,7 @@ class OffloadWorker:
         bytes_per_block = host_bytes_per_block(regions)
         self.host = backend.allocate_host_regions(regions, self.num_cpu_blocks)
         backend.bind(regions, self.host.regions)
-        self.backend = backend
+        self.backend, self._kv_caches = backend, kv_caches
         self._copy_path = CopyPathWatch(backend)
         if self.caps.secondary_tier:
             self.tier = build_worker_half(self.config.tier, True, WorkerTierContext(
@@ -152,8 +159,25 @@ class OffloadWorker:
             if not found:
                 return handshake
 
+    def unregister_kv_caches(self) -> None:
+        """Before the KV cache is freed for sleep: no copy may touch it from now on."""
+        if self.backend is None or self._asleep:
+            return
+        self._collect(self.backend.flush())  # vLLM drains; a copy still queued ends here
+        self._asleep = True
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the KV tensors may live elsewhere; bind their addresses anew."""
+        if self.backend is None or not self._asleep:
+            return
+        self.backend.rebind(describe_kv_caches(self._kv_caches, self.num_gpu_blocks,
+                                               self.backend.describe_kv_tensor))
+        self._asleep = False
+
     # ------------------------------------------------------------ per step
     def bind_connector_metadata(self, metadata: OffloadMetadata) -> None:
+        if self.backend is not None:
+            self.backend.step_done()  # a load before this step's forward fences on its own
         self._unlaunched = _Unlaunched(metadata.load, metadata.store, metadata.tier,
                                        metadata.rounds)
         self._release.update(metadata.release_requests)
@@ -166,6 +190,12 @@ class OffloadWorker:
         if metadata.need_flush and self.backend is not None:
             self._collect(self.backend.flush())
 
+    def finish_forward(self) -> None:
+        """The step's forward pass is enqueued (vLLM >= 0.33): the step's copies,
+        launched next, are ordered after it (the backend's ``forward_done``)."""
+        if self.backend is not None and not self._asleep:
+            self.backend.forward_done()
+
     def start_load_kv(self) -> None:
         """Run a synchronous load before the forward pass that reads it.
 
@@ -174,6 +204,9 @@ class OffloadWorker:
         """
         load = self._unlaunched.load
         if self.backend is None or load is None or not load.sync:
+            return
+        if self._asleep:
+            self._fail_asleep()
             return
         self._launch_load()
         # The forward pass reads these blocks next: wait for them (this also
@@ -192,7 +225,10 @@ class OffloadWorker:
         if self.backend is None:
             return released, set(), set()
         self.loads.forget(finished_req_ids)
+        if self._asleep:
+            self._fail_asleep()
         launched = self._launch_pending()
+        self.backend.step_done()
         if launched and self.backend.synchronous_compute:
             self._collect(self.backend.flush())  # nothing to overlap: report this step
         else:
@@ -234,6 +270,17 @@ class OffloadWorker:
             if tier.probe is not None:
                 self.tier.submit_probe(tier.probe.job_id, [k for k, _ in tier.probe.items])
         return launched
+
+    def _fail_asleep(self) -> None:
+        """Device copies bound while the KV cache is unregistered fail, unlaunched."""
+        pending = self._unlaunched
+        if pending.store is not None:
+            self.stats.record_transfer(True, 0, 0.0, False)
+            self._reports.stores[pending.store.job_id] = JobReport(failed=True)
+        for spec in ((pending.load,) if pending.load is not None else ()) + pending.rounds:
+            self.stats.record_transfer(False, 0, 0.0, False)
+            self.loads.on_result(spec, spec.job_id, False, self._reports)
+        pending.store, pending.load, pending.rounds = None, None, ()
 
     def _launch_load(self) -> None:
         assert self.backend is not None and self._unlaunched.load is not None

@@ -1,9 +1,9 @@
 """vLLM's real scheduler and both connector roles, around a model that checks its KV.
 
 No model weights run here. :class:`FakeModel` plays the model runner: for every
-token it "computes" it writes bytes derived from the whole prefix up to that
-token into the token's KV slot, and before computing it verifies the KV of the
-prefix it would attend to: tokens served by the device prefix cache or loaded
+token it "computes" it writes bytes derived from its "weights" (a salt) and the
+whole prefix up to that token into the token's KV slot, and before computing it
+verifies the KV of the prefix it would attend to: tokens served by the device prefix cache or loaded
 back from the CPU tier must hold exactly the bytes of the prefix they claim.
 A wrong block, a stale block, or a load that lands late fails the check.
 
@@ -74,12 +74,17 @@ class FakeModel:
     windows: list[int | None]
     digests: dict[str, list[bytes]] = field(default_factory=dict)  # req -> per-token prefix digest
     checked_tokens: int = 0
+    weights: bytes = b""  # new weights: every token's KV changes
+
+    def load_weights(self, weights: bytes) -> None:
+        self.weights = weights
+        self.digests.clear()
 
     def _digests(self, req: Request) -> list[bytes]:
         have = self.digests.setdefault(req.request_id, [])
         tokens = req.all_token_ids
         while len(have) < len(tokens):
-            prev = have[-1] if have else b""
+            prev = have[-1] if have else self.weights
             have.append(hashlib.blake2b(prev + tokens[len(have)].to_bytes(4, "little"),
                                         digest_size=16).digest())
         return have
@@ -187,6 +192,9 @@ class Engine:
         self.cached_tokens: dict[str, int] = {}  # prompt tokens not computed, per request
         self.finished: set[str] = set()
         self.steps = 0
+        self.preemptions = 0  # requests vLLM's scheduler preempted
+        self.computed_tokens = 0  # tokens the model was given to compute
+        self._released_kv: list = []  # KV memory left behind by move_kv
         self.sent: list[OffloadMetadata] = []  # each step's metadata, as the workers got it
         self.reported: list[OffloadWorkerMetadata] = []  # this rank's reports
         self.published: Counter[str] = Counter()  # connector stats as vLLM published them
@@ -212,6 +220,8 @@ class Engine:
     # --------------------------------------------------------------- steps
     def step(self) -> None:
         so = self.scheduler.schedule()
+        self.preemptions += len(so.preempted_req_ids or ())
+        self.computed_tokens += so.total_num_scheduled_tokens
         meta = so.kv_connector_metadata
         self.sent.append(meta)
         workers = [self.worker, *self.peers]
@@ -225,6 +235,9 @@ class Engine:
             for w in workers:
                 w.start_load_kv(None)
         req_ids, sampled, wrong_reads = self._forward(so)
+        if vllm_compat.SLEEP_WITH_CONNECTORS:  # and the forward-end hook, both from 0.33
+            for w in workers:
+                w.finish_forward()
         if not load_first:
             for w in workers:
                 w.start_load_kv(None)
@@ -321,6 +334,41 @@ class Engine:
         gpu_pool = self.scheduler.kv_cache_manager.block_pool
         # Only the null block stays in use once every request is gone.
         assert gpu_pool.get_num_free_blocks() == gpu_pool.num_gpu_blocks - 1
+
+    # --------------------------------------------------------- sleep mode
+    def sleep(self) -> None:
+        """As vLLM's engine core process sleeps (level 1): requests aborted, steps
+        until the scheduler has no work (the connector's copies included), every
+        cache reset (the connector's too), the worker's KV caches unregistered,
+        then the KV cache memory released (here: overwritten, as new memory would
+        hold)."""
+        self.abort([r for r in self.scheduler.requests])
+        for _ in range(200):
+            if not self.scheduler.has_requests():
+                break
+            self.step()
+        assert self.scheduler.reset_prefix_cache(reset_running_requests=True,
+                                                 reset_connector=True)
+        self.worker.unregister_kv_caches()
+        self.kv_storage.view(torch.uint8).fill_(0xA5)
+
+    def move_kv(self) -> None:
+        """The KV cache at other (zeroed) addresses, the tensor object unchanged (as
+        vLLM keeps it); the old memory stays allocated, so a copy there is not read."""
+        self._released_kv.append(self.kv_storage.untyped_storage())
+        moved = torch.zeros_like(self.kv_storage)
+        self.kv_storage.set_(moved.untyped_storage(), 0, moved.shape, moved.stride())
+        as_bytes = self.kv_storage.view(torch.uint8).view(*self.kv_storage.shape[:2], -1)
+        self.model.kv = {g: as_bytes for g in self.model.kv}
+
+    def wake(self, weights: bytes | None = None, move_kv: bool = False) -> None:
+        """Wake-up: new ``weights`` loaded meanwhile (an RL update); ``move_kv``: the KV
+        cache comes back elsewhere."""
+        if move_kv:
+            self.move_kv()
+        if weights is not None:
+            self.model.load_weights(weights)
+        self.worker.restore_kv_caches()
 
     def close(self) -> None:
         for w in [self.worker, *self.peers]:

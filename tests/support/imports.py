@@ -24,10 +24,10 @@ _PROBE = textwrap.dedent("""
             names = {line.rsplit("/", 1)[-1] for line in f.read().splitlines() if "/" in line}
         return {n for n in names if n.startswith(tuple(json.loads(sys.argv[1])))}
 
-    before = vendor_libs()
+    before, modules_before = vendor_libs(), set(sys.modules)  # torch's own (a CUDA build's)
     exec(sys.argv[3])
     print(json.dumps({
-        "modules": sorted(m for m in sys.modules
+        "modules": sorted(m for m in set(sys.modules) - modules_before
                           if m.split(".")[0] in json.loads(sys.argv[2])),
         "libraries": sorted(vendor_libs() - before),
         "cuda_initialized": torch.cuda.is_initialized(),

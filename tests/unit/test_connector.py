@@ -68,11 +68,20 @@ def test_stats_aggregate_reduce_and_prometheus_names():
                                          {"engine": "0"}) is not None or merged.get(key, 0) == 0
 
 
-def test_sleep_mode_is_refused_through_the_connector_api():
-    from kvoffload_hal.connector import HALOffloadConnector
+def test_sleep_mode_is_offered_except_with_a_tier_shared_across_instances(tmp_path, caplog):
+    """vLLM (>= 0.33) asks the class, through its factory, before it allows sleep mode."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
     from kvoffload_hal.demo.inprocess import offload_transfer_config
 
-    assert HALOffloadConnector.supports_sleep_mode(offload_transfer_config()) is False
+    plain = offload_transfer_config()
+    connector = KVConnectorFactory.get_connector_class(plain)
+    assert connector.supports_sleep_mode(plain) is True
+    disk = offload_transfer_config(disk_path=str(tmp_path), disk_bytes_to_use=1 << 20)
+    assert connector.supports_sleep_mode(disk) is True
+    shared = offload_transfer_config(mooncake_master="127.0.0.1:50051")
+    assert connector.supports_sleep_mode(shared) is False
+    assert "refuses sleep mode with the Mooncake" in caplog.text
 
 
 def test_cpu_tier_hits_are_reported_as_host_hits(make_engine):

@@ -41,6 +41,42 @@ def test_store_waits_on_an_event_recorded_on_the_compute_stream(fake, make_setup
     assert ("cuEventDestroy_v2", 0, fence) in log  # the fence does not leak
 
 
+def test_a_fence_at_the_forward_end_orders_the_steps_copies_after_that_pass_only(
+        fake, make_setup):
+    """vLLM 0.33 says when the forward pass is enqueued (finish_forward); the step's
+    copies, submitted after the sampler, then wait for that pass, not for the sampler."""
+    setup = make_setup()
+    backend = setup.backend
+    backend.compute_stream = compute = fake.create_stream()
+    fake.lib.fake_set_defer(1)  # streams run only when something waits on them
+    sources = []
+
+    def compute_writes(block, value):
+        sources.append(torch.full((setup.kv.shape[2],), value, dtype=torch.uint8))
+        for region in setup.device_regions:
+            fake.memcpy_async(region.base_ptr + block * region.block_stride_bytes,
+                              sources[-1].data_ptr(), region.block_bytes, compute)
+
+    compute_writes(6, 0xAB)  # the forward pass
+    backend.forward_done()
+    compute_writes(6, 0xCD)  # work enqueued after it (the sampler's place)
+    backend.submit(TransferJob(0, Direction.STORE, [6], [2]))
+    backend.submit(TransferJob(0, Direction.LOAD, [0], [9]))
+    assert all(r.ok for r in backend.flush())
+    assert (setup.host_view[:, 2] == 0xAB).all()  # after the forward pass, not after more
+
+    log = fake.log()
+    (fence,) = [e for f, s, e in log if f == "cuEventRecord" and s == compute]
+    waits = {s for f, s, e in log if f == "cuStreamWaitEvent" and e == fence}
+    assert waits == set(backend._streams.values())  # both copy streams, one event
+    assert fake.calls("cuStreamWaitEvent") == 2 and ("cuEventDestroy_v2", 0, fence) in log
+
+    backend.step_done()  # the next step's jobs fence at their submission again
+    backend.submit(TransferJob(1, Direction.STORE, [6], [3]))
+    assert backend.flush()[0].ok
+    assert (setup.host_view[:, 3] == 0xCD).all()
+
+
 def test_loads_wait_on_the_compute_fence_too(fake, make_setup):
     # A load may target a block that compute enqueued earlier still reads
     # (write-after-read): it waits on the compute stream like a store.

@@ -80,6 +80,31 @@ def test_every_job_waits_on_a_compute_event_before_its_batch(npu_env, kv):
     assert npu_env.acl.last_stream() == store_stream.npu_stream
 
 
+def test_a_forward_end_fence_is_one_event_both_copy_streams_wait_on(npu_env, kv):
+    """Where vLLM says the forward pass is enqueued (finish_forward), the step's jobs
+    wait on the event recorded then instead of recording their own."""
+    backend = npu_env.backend("full")
+    bind_rig(backend, kv)
+    backend.forward_done()
+    fence = npu_env.npu.events[-1]
+    assert fence.recorded_on is npu_env.npu.compute_stream
+    backend.submit(TransferJob(0, Direction.STORE, [5, 9], [1, 2]))
+    backend.submit(TransferJob(0, Direction.LOAD, [0, 1], [3, 4]))
+    assert all(r.ok for r in backend.flush())
+
+    def compute_fences():
+        return [e for e in npu_env.npu.events if e.recorded_on is npu_env.npu.compute_stream]
+
+    assert compute_fences() == [fence]  # no event of their own
+    for stream in backend._streams.values():
+        # Waited on before any copy call of the step (0 ACL calls made then).
+        assert [e for e in stream.log if e[0] == "wait"] == [("wait", fence.handle, 0)]
+    backend.step_done()
+    backend.submit(TransferJob(1, Direction.STORE, [6], [3]))
+    assert backend.flush()[0].ok
+    assert len(compute_fences()) == 2  # the next step's job: its own fence again
+
+
 def test_copy_thread_binds_device_and_device_index_reaches_attrs(npu_env, kv):
     backend = npu_env.backend("full", device=torch.device("privateuseone", 1))
     bind_rig(backend, kv)
