@@ -48,3 +48,31 @@ def _next_request(llm) -> None:
     from vllm import SamplingParams
 
     llm.generate(["next"], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+
+
+def serve_twice(spec, docs: list[str], max_tokens: int = 8) -> tuple[list, dict]:
+    """An engine of ``spec`` serves each document, one at a time, then each again.
+
+    Returns each request's ``(cached prompt tokens, generated tokens)`` and, with
+    the connector, its counters plus ``cpu_blocks`` (the CPU tier's blocks) and,
+    where the worker runs in this process, ``worker`` (its counters: bytes copied).
+    """
+    from vllm import SamplingParams
+
+    from kvoffload_hal.demo.inprocess import close_llm, make_llm
+
+    llm = make_llm(spec)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    try:
+        outs = [llm.generate([d], params, use_tqdm=False)[0] for d in docs + docs]
+        conn = scheduler_connector(llm)
+        totals = {}
+        if conn is not None:
+            assert drain_transfers(llm)
+            totals = dict(conn.scheduler.totals.data, cpu_blocks=conn.scheduler.cpu.num_blocks)
+            worker = worker_connector()
+            if worker is not None:
+                totals["worker"] = dict(worker.worker.totals.data)
+        return [(o.num_cached_tokens, list(o.outputs[0].token_ids)) for o in outs], totals
+    finally:
+        close_llm(llm)

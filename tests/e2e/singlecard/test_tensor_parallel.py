@@ -4,8 +4,9 @@ token-identical to the same TP=2 engine without the connector."""
 
 import pytest
 
-from kvoffload_hal.demo.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
+from kvoffload_hal.demo.inprocess import EngineSpec
 from kvoffload_hal.demo.tiny_model import synthetic_text
+from support.engines import serve_twice
 
 pytestmark = pytest.mark.e2e
 
@@ -13,18 +14,7 @@ NUM_DOCS = 6
 
 
 def _run(spec):
-    from vllm import SamplingParams
-
-    llm = make_llm(spec)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    docs = [synthetic_text(180, seed=i) for i in range(NUM_DOCS)]
-    try:
-        outs = [llm.generate([d], params, use_tqdm=False)[0] for d in docs + docs]
-        conn = scheduler_connector(llm)
-        totals = dict(conn.scheduler.totals.data) if conn is not None else {}
-        return [(o.num_cached_tokens, list(o.outputs[0].token_ids)) for o in outs], totals
-    finally:
-        close_llm(llm)
+    return serve_twice(spec, [synthetic_text(180, seed=i) for i in range(NUM_DOCS)])
 
 
 def test_tensor_parallel_2_is_token_identical_and_served_from_cpu(tiny_model_dir, monkeypatch):
