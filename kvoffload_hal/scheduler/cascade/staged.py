@@ -1,7 +1,7 @@
 """Tier hits longer than the CPU tier has room for, served in full by staging them through it.
 
 A promotion brings a tier's blocks into free CPU blocks, and the request then loads its
-CPU hit to the device (:mod:`.scheduler_cascade`); a run longer than the free CPU blocks
+CPU hit to the device (:mod:`.tier_cascade`); a run longer than the free CPU blocks
 would lose its tail that way. Such a hit is *staged* instead:
 
 1. The lookup answers the whole hit (the CPU hit and the tier's run after it) as an
