@@ -95,6 +95,19 @@ class SecondaryTier(ABC):
         """Block until :meth:`take_found` has every block kept from before a restart
         (at most ``timeout_s``); at start-up, before the first request."""
 
+    def take_found_at_start(self, timeout_s: float) -> tuple[list[BlockKey], int]:
+        """At start-up: every block found so far, waiting at most ``timeout_s`` for the
+        listing, and 1 when the tier has found them all (else the rest comes later)."""
+        self.wait_found(timeout_s)
+        keys: list[BlockKey] = []
+        done = 0
+        while True:
+            found, finished = self.take_found()
+            keys += found
+            done += finished
+            if not found:
+                return keys, done
+
     def shutdown(self, timeout_s: float = 10.0, flush_s: float = 0.0) -> bool:
         return True
 

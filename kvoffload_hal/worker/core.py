@@ -57,6 +57,7 @@ from kvoffload_hal.tiers.registry import build_worker_half
 from kvoffload_hal.tiers.spec import WorkerTierContext
 from kvoffload_hal.tiers.worker_tier import NullTier, SecondaryTier
 from kvoffload_hal.worker.loads import LoadOutcomes
+from kvoffload_hal.worker.shutdown import shut_down
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,15 +67,9 @@ logger = init_logger(__name__)
 
 STATS_CARRIER_STEPS = 2  # see OffloadWorker.get_stats
 
-# How long shutdown waits for copies and tier IO in flight (writes first get
-# shutdown_flush_timeout_s, and are dropped when it is over).
-SHUTDOWN_TIMEOUT_S = 10.0
 # How long start-up waits for a restarted tier to list the blocks it kept (about
 # 0.3 s per 100 000 files on a local disk); what it lists later comes with the steps.
 FOUND_AT_START_WAIT_S = 120.0
-# Host buffers a copy or tier IO may still use after shutdown gave up waiting:
-# kept referenced until the process exits, never freed under a running copy.
-_BUSY_AT_SHUTDOWN: list[HostChunks] = []
 
 
 @dataclass
@@ -148,16 +143,8 @@ class OffloadWorker:
         """Once, before the first request: how many CPU blocks this rank holds, and
         every block a restarted tier kept (waiting at most :data:`FOUND_AT_START_WAIT_S`
         for it to list them), for the scheduler's index."""
-        handshake = OffloadHandshake(num_cpu_blocks=self.num_cpu_blocks)
-        if not self.caps.secondary_tier:
-            return handshake
-        self.tier.wait_found(FOUND_AT_START_WAIT_S)
-        while True:
-            found, done = self.tier.take_found()
-            handshake.tier_found += found
-            handshake.tier_scans_done += done
-            if not found:
-                return handshake
+        found, done = self.tier.take_found_at_start(FOUND_AT_START_WAIT_S)
+        return OffloadHandshake(found, done, num_cpu_blocks=self.num_cpu_blocks)
 
     def unregister_kv_caches(self) -> None:
         """Before the KV cache is freed for sleep: no copy may touch it from now on."""
@@ -314,30 +301,11 @@ class OffloadWorker:
         return stats
 
     def shutdown(self) -> None:
-        """Stop the tier and the backend; free the host buffer once nothing can use it.
-
-        Tier writes already submitted get ``shutdown_flush_timeout_s`` to finish, and
-        are dropped whole after it. A copy or a tier IO still running after
-        :data:`SHUTDOWN_TIMEOUT_S` (a hung device or mount) would write into freed
-        memory: the buffer is then kept until the process exits instead, with a warning.
-        """
-        tier_idle = self.tier.shutdown(SHUTDOWN_TIMEOUT_S, self.config.shutdown_flush_timeout_s)
-        self.tier = NullTier()
-        backend, host = self.backend, self.host
-        self.backend, self.host = None, None
-        if backend is None:
-            return
-        backend_idle = backend.shutdown(SHUTDOWN_TIMEOUT_S)
-        if host is None:
-            return
-        if tier_idle and backend_idle:
-            backend.free_host_regions(host)
-            return
-        logger.warning("HALOffloadConnector: %s still running after %.0f s at shutdown; its "
-                       "host memory (%.2f GiB) is kept until the process exits",
-                       "a copy" if not backend_idle else "tier IO", SHUTDOWN_TIMEOUT_S,
-                       host.num_bytes / 2**30)
-        _BUSY_AT_SHUTDOWN.append(host)
+        """Stop the tier and the backend; free the host buffer once nothing can use it
+        (:func:`~kvoffload_hal.worker.shutdown.shut_down`)."""
+        tier, backend, host = self.tier, self.backend, self.host
+        self.tier, self.backend, self.host = NullTier(), None, None
+        shut_down(tier, backend, host, self.config.shutdown_flush_timeout_s)
 
     # ------------------------------------------------------------ helpers
     def _collect(self, results: list[JobResult]) -> None:

@@ -56,7 +56,7 @@ def test_a_failed_asynchronous_load_reports_its_blocks(make_engine):
 
 
 def test_shutdown_keeps_the_host_buffer_while_a_copy_still_runs(make_engine, monkeypatch):
-    from kvoffload_hal.worker import core as worker_module
+    from kvoffload_hal.worker import shutdown as worker_module
     from support.backend_doubles import GatedCpuBackend
     from support.polling import wait_until
 
