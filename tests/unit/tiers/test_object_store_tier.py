@@ -137,3 +137,29 @@ def test_a_staged_read_that_does_not_land_in_time_ends_the_hit(make_engine, obje
     STORES["shared"].thaw()  # (an open breaker does not keep an idle engine stepping)
     _serve(reader, ("later", _doc(7)))
     reader.assert_idle()  # the late read's CPU blocks were let go
+
+
+def test_its_counters_are_exported_under_its_name(object_store):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvoffload_hal.metrics import OffloadPromMetrics, OffloadStats
+
+    registry_ = CollectorRegistry()
+
+    def bind(cls):
+        return lambda **kw: cls(registry=registry_, **{k: v for k, v in kw.items()
+                                                       if k != "multiprocess_mode"})
+
+    prom = OffloadPromMetrics(type("Cfg", (), {"kv_transfer_config": None})(),
+                              {Counter: bind(Counter), Gauge: bind(Gauge),
+                               Histogram: bind(Histogram)}, ["engine"], {0: ["0"]})
+    stats = OffloadStats()
+    stats.record_tier("objstore", spilled=3, timeouts=1)
+    stats.record_breaker("objstore", opened=1)
+    prom.observe(stats.reduce(), engine_idx=0)
+    for name, value in (("blocks_to_objstore", 3), ("objstore_timeouts", 1),
+                        ("objstore_breaker_opens", 1)):
+        assert registry_.get_sample_value(f"vllm:kvoffload_hal_{name}_total",
+                                          {"engine": "0"}) == value, name
+    families = {m.name for m in registry_.collect()}
+    assert "vllm:kvoffload_hal_blocks_from_objstore" in families  # declared before use
