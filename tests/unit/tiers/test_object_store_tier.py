@@ -15,7 +15,10 @@ DOC_BLOCKS = 20
 
 
 @pytest.fixture
-def object_store():
+def object_store(monkeypatch):
+    # Instances that share a store must name blocks alike: one block-hash seed for all
+    # (vLLM 0.23 draws a random one per engine otherwise).
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
     registry.register_tier("objstore", ENTRY_POINT)
     yield
     registry.unregister_tier("objstore")
