@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
             order = [("base", args.base), ("new", args.new)]
             for name, tree in order if r % 2 == 0 else order[::-1]:
                 times[p][name].append(seconds_per_step(tree, *p, args.steps, args.prefill))
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+                print(f"round {r + 1} {p[0]}x{p[1]} {name}: "
+                      f"{times[p][name][-1] * 1e3:.3f} ms/step", file=sys.stderr, flush=True)
     print("| CPU blocks | live requests | base ms/step | new ms/step | new/base (median of "
           "rounds) |")
     print("|---:|---:|---:|---:|---:|")
