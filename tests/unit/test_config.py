@@ -183,3 +183,17 @@ def test_each_data_parallel_rank_counts_the_local_ranks_it_knows_of():
     assert local_replicas(moe) == 4
     single = SimpleNamespace(data_parallel_size_local=1, data_parallel_rank_local=None)
     assert local_replicas(single) == 1
+
+
+def test_shutdown_flush_timeout_defaults_to_two_seconds_and_zero_is_allowed():
+    assert OffloadConfig.from_extra_config(None).shutdown_flush_timeout_s == 2.0
+    config = OffloadConfig.from_extra_config({"shutdown_flush_timeout_s": 0})
+    assert config.shutdown_flush_timeout_s == 0.0
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, "2", True, None, float("nan")])
+def test_shutdown_flush_timeout_is_validated(value):
+    with pytest.raises(ValueError) as e:
+        OffloadConfig.from_extra_config({"shutdown_flush_timeout_s": value})
+    assert str(e.value) == (f"kv_connector_extra_config['shutdown_flush_timeout_s']={value!r}: "
+                            "expected a number of seconds >= 0")

@@ -68,6 +68,25 @@ def test_a_restarted_engine_serves_the_blocks_its_predecessor_kept(make_engine, 
     engine.assert_idle()
 
 
+def test_a_listing_longer_than_the_start_up_wait_goes_on_with_the_steps(
+        make_engine, tmp_path, monkeypatch):
+    import threading
+
+    from kvoffload_hal.tiers.disk.rebuild import DirScan
+    from kvoffload_hal.worker import core
+
+    _first_engine(make_engine, tmp_path)
+    gate, listing = threading.Event(), DirScan._list
+    monkeypatch.setattr(DirScan, "_list", lambda self: gate.wait() and listing(self))
+    monkeypatch.setattr(core, "FOUND_AT_START_WAIT_S", 0.2)  # a slow disk at start-up
+    engine = _engine(make_engine, tmp_path)
+    rebuild = engine.offload.cascade.rebuild
+    assert rebuild.pending and rebuild.adopted == 0  # start-up did not wait for ever
+    gate.set()
+    engine.drain()  # what the listing finds later comes in the step metadata
+    assert not rebuild.pending and rebuild.adopted == NUM_DOCS * DOC_TOKENS // BS
+
+
 def test_a_block_some_rank_lacks_is_never_indexed_and_its_files_go(make_engine, tmp_path):
     """Two ranks: the harness's worker plays rank 0, this test reports rank 1's handshake
     (the same keys as vLLM's engine core would gather), which lacks half the blocks."""
