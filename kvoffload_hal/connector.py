@@ -116,7 +116,7 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         cpu = self.scheduler.cpu if self.scheduler is not None else None
         if cpu is None or not counts or min(counts) >= cpu.num_blocks:
             return
-        logger.info("HALOffloadConnector: a rank holds %d CPU blocks, fewer than the %d sized "
+        logger.warning("HALOffloadConnector: a rank holds %d CPU blocks, fewer than the %d sized "
                     "from the first pipeline stage's layers: the CPU tier uses %d",
                     min(counts), cpu.num_blocks, min(counts))
         cpu.keep_below(min(counts))
