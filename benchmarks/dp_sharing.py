@@ -63,8 +63,8 @@ def start(model: str, log: Path, args, master: str | None):
     return server
 
 
-def ask(client, model: str, prompt: list[int], rank: int) -> tuple[float, int]:
-    """(seconds to the first streamed token, prompt tokens the rank computed)."""
+def ask(client, model: str, prompt: list[int], rank: int) -> tuple[float, int, int]:
+    """(seconds to the first streamed token, prompt tokens, those the rank computed)."""
     start = time.perf_counter()
     ttft, usage = None, None
     stream = client.completions.create(
@@ -78,7 +78,7 @@ def ask(client, model: str, prompt: list[int], rank: int) -> tuple[float, int]:
             usage = chunk.usage
     details = usage.prompt_tokens_details
     cached = details.cached_tokens if details is not None else 0
-    return ttft, usage.prompt_tokens - cached
+    return ttft, usage.prompt_tokens, usage.prompt_tokens - cached
 
 
 def store_settled(server, engine: int, timeout_s: float = 120) -> float:
@@ -110,8 +110,11 @@ def measure(config: str, model: str, docs: list[list[int]], args, tmp: Path) -> 
         written = store_settled(server, 0) if master else 0
         second = [ask(client, model, d, 1) for d in docs]
         return {"config": config, "written_blocks": written,
-                "rank0_ttft": [t for t, _ in first], "rank0_computed": sum(c for _, c in first),
-                "rank1_ttft": [t for t, _ in second], "rank1_computed": sum(c for _, c in second)}
+                "prompt_tokens": sum(p for _, p, _ in second),
+                "rank0_ttft": [t for t, _, _ in first],
+                "rank0_computed": sum(c for _, _, c in first),
+                "rank1_ttft": [t for t, _, _ in second],
+                "rank1_computed": sum(c for _, _, c in second)}
     finally:
         if server is not None:
             server.kill()
@@ -120,7 +123,6 @@ def measure(config: str, model: str, docs: list[list[int]], args, tmp: Path) -> 
 
 
 def table(rows: list[dict], args) -> str:
-    prompt = args.num_documents * (args.document_length + 1)
     lines = [f"{args.num_documents} documents of {args.document_length} tokens, each sent to "
              "rank 0, then to rank 1 (measured)", "",
              "| configuration | rank 0 TTFT s (mean) | rank 1 TTFT s (mean) | rank 1 TTFT s "
@@ -128,7 +130,7 @@ def table(rows: list[dict], args) -> str:
     for r in rows:
         lines.append(f"| {r['config']} | {statistics.fmean(r['rank0_ttft']):.3f} | "
                      f"{statistics.fmean(r['rank1_ttft']):.3f} | {sum(r['rank1_ttft']):.2f} | "
-                     f"{r['rank1_computed']} of {prompt} |")
+                     f"{r['rank1_computed']} of {r['prompt_tokens']} |")
     return "\n".join(lines) + "\n"
 
 
