@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -170,9 +171,13 @@ def main() -> None:
     model = build_tiny_llama(MODEL_DIR, MODEL)
     docs = documents(args.num_documents, args.document_length,
                      len(AutoTokenizer.from_pretrained(model)))
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(c, model, docs, args, Path(tmp)) for c in CONFIGS]
-    text = f"CPU: {cpu_model()}\n\n" + table(rows, args)
+    text = (f"CPU: {cpu_model()}; load average (1 min) {load_before:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end\n\n" + table(rows, args) +
+            "\nA shared `/dev/shm` disk tier column comes with disk tiers that data-parallel "
+            "ranks share.\n")
     print(text)
     if args.no_write:
         return
