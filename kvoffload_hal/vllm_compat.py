@@ -47,6 +47,8 @@ sleep mode with connectors         0.33                :data:`SLEEP_WITH_CONNECT
 ``finish_forward``,
 ``has_pending_block_frees``,
 ``requires_kv_delivery``
+``SpeculativeConfig                0.32                :func:`drops_trailing_block`;
+.use_eagle_block_drop``                                older: ``use_eagle()``
 =================================  ==================  ===============================
 
 vLLM 0.33's other connector hooks are left at vLLM's defaults, each for a reason
@@ -125,6 +127,19 @@ def transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> 
 
 
 # -------------------------------------------------------------- coordinator
+def drops_trailing_block(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM drops the last block of a prefix-cache hit, as it does for drafters
+    fed the target's hidden states (EAGLE, MTP): their KV at a block's last position
+    was computed with the token that followed it, which another request may not
+    share. The CPU tier's hits follow the same rule (``use_eagle`` of the coordinator).
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    rule = getattr(spec, "use_eagle_block_drop", None) or spec.use_eagle
+    return bool(rule())
+
+
 def make_coordinator(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
                      block_size: int, hash_block_size: int,
                      enable_kv_cache_events: bool) -> Any:
@@ -142,7 +157,7 @@ def make_coordinator(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
         max_model_len=vllm_config.model_config.max_model_len,
         max_in_flight_tokens=getattr(vllm_config, "max_in_flight_tokens", batched),
         max_num_batched_tokens=batched,
-        use_eagle=False,
+        use_eagle=drops_trailing_block(vllm_config),
         enable_caching=True,
         enable_kv_cache_events=enable_kv_cache_events,
         dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,

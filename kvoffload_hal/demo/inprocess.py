@@ -36,19 +36,26 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     tensor_parallel_size: int = 1  # > 1: worker processes ("mp" executor), one per rank
+    pipeline_parallel_size: int = 1  # > 1: likewise
     max_num_batched_tokens: int | None = None
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"
+    enforce_eager: bool = True  # False: torch.compile (slower start)
     speculative_config: dict[str, Any] | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
             model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
             block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-            enforce_eager=True, seed=0,
-            distributed_executor_backend="uni" if self.tensor_parallel_size == 1 else "mp",
+            enforce_eager=self.enforce_eager, seed=0,
+            distributed_executor_backend="uni" if self.world_size == 1 else "mp",
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             num_gpu_blocks_override=self.num_gpu_blocks, max_num_seqs=self.max_num_seqs,
         )
         if self.max_num_batched_tokens is not None:
