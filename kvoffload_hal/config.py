@@ -29,6 +29,14 @@ key                     default     meaning
                                     was stored, as the best of four candidate
                                     insertions on sampled shadows says; see
                                     ``eviction.py``)
+``device_copies``       ``drop``    CPU-tier copies of blocks the device also
+                                    holds: ``drop``: evicted before any block only
+                                    the CPU tier holds, and stored again before the
+                                    device evicts the block; ``drop_stored``: the
+                                    same for copies made by stores, while a block
+                                    loaded to the device keeps its CPU copy in the
+                                    ``eviction`` order; ``keep``: ranked like any
+                                    other block (the tiers are inclusive)
 ``prefetch_requests``   4           with a secondary tier: how many of the oldest
                                     waiting requests not yet looked up by vLLM's
                                     scheduler have their tier blocks promoted into
@@ -67,7 +75,12 @@ from kvoffload_hal.config_values import (
     share,
     whole_blocks,
 )
-from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, eviction_names
+from kvoffload_hal.eviction.registry import (
+    DEFAULT_DEVICE_COPIES,
+    DEFAULT_EVICTION,
+    DEVICE_COPY_MODES,
+    eviction_names,
+)
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.registry import parse_tier, tier_keys
 from kvoffload_hal.tiers.spec import CapacityClaim, TierSpec
@@ -87,7 +100,7 @@ DEFAULT_PREFETCH_CPU_SHARE = 0.25
 
 
 CORE_KEYS = ("cpu_bytes_to_use", "lazy_offload", "load_mode", "allow_overcommit", "eviction",
-             "prefetch_requests", "prefetch_cpu_share", "prefetch_blocks")
+             "device_copies", "prefetch_requests", "prefetch_cpu_share", "prefetch_blocks")
 LOAD_MODES = ("auto", "async", "sync")
 
 
@@ -98,6 +111,7 @@ class OffloadConfig:
     load_mode: str = "auto"
     allow_overcommit: bool = False
     eviction: str = DEFAULT_EVICTION
+    device_copies: str = DEFAULT_DEVICE_COPIES
     prefetch_requests: int = DEFAULT_PREFETCH_REQUESTS
     prefetch_cpu_share: float = DEFAULT_PREFETCH_CPU_SHARE
     prefetch_blocks: int = 0  # 0: the share alone caps what prefetched requests hold
@@ -121,6 +135,8 @@ class OffloadConfig:
             allow_overcommit=boolean("allow_overcommit", extra.get("allow_overcommit", False)),
             eviction=one_of("eviction", extra.get("eviction", DEFAULT_EVICTION),
                             eviction_names()),
+            device_copies=one_of("device_copies", extra.get(
+                "device_copies", DEFAULT_DEVICE_COPIES), DEVICE_COPY_MODES),
             prefetch_requests=count("prefetch_requests", extra.get(
                 "prefetch_requests", DEFAULT_PREFETCH_REQUESTS), "requests"),
             prefetch_cpu_share=share("prefetch_cpu_share", extra.get(

@@ -21,7 +21,7 @@ from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, StoreSpec
 from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
 from kvoffload_hal.scheduler.jobs import JobBook
-from kvoffload_hal.scheduler.store_policy import BlockPicker
+from kvoffload_hal.scheduler.store_policy import BlockPicker, StorePolicy
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -77,12 +77,22 @@ class StoreJobs:
         return (block.block_id not in self._in_flight_gpu
                 and h not in self._in_flight_hashes and not self.cpu.holds(h))
 
+    def store_ahead(self, policy: StorePolicy, num_tokens: int) -> None:
+        """Before vLLM allocates device blocks for ``num_tokens`` loaded tokens: the
+        blocks that allocation may evict, as ``policy`` offers them, are queued now
+        (a queued store pins its device block, so the allocation passes it by)."""
+        picker = self.picker()
+        policy.before_allocation(
+            sum(-(-num_tokens // size) for size in self.cpu.group_block_sizes), picker)
+        self.queue(picker)
+
     def queue(self, picker: BlockPicker) -> None:
         if not picker.blocks:
             return
         gpu_ids = [b.block_id for b in picker.blocks]
         hashes = [b.block_hash for b in picker.blocks]
-        cpu_blocks = self.cpu.allocate(len(gpu_ids))  # LRU eviction happens here
+        # Eviction happens here; blocks the policy found stored stay (see BlockPicker).
+        cpu_blocks = self.cpu.allocate(len(gpu_ids), keep=picker.passed)
         pin_ids(self._gpu_pool(), gpu_ids)
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)

@@ -11,6 +11,13 @@ Two policies behind one interface (:class:`StorePolicy`):
   device pool's free queue) are stored, a window of about two steps' worth of
   allocations.
 
+Where the CPU tier drops its copies of blocks the device holds first
+(``device_copies``, :mod:`kvoffload_hal.eviction.device_copies`), a dropped block
+must be stored again before the device evicts it. Lazy stores do that by nature;
+eager ones get the lazy window too (``restore_window_blocks``), and offer again
+the blocks of a request that finishes or is preempted, which the device may
+evict in the very next step.
+
 A policy only *chooses*: it offers device blocks to a :class:`BlockPicker`,
 which keeps those worth storing (hashed, not stored already, not in flight)
 up to the number of free CPU blocks. Allocation, pinning and job tracking are
@@ -46,6 +53,9 @@ class BlockPicker:
         self._wanted = wanted
         self.blocks: list[KVCacheBlock] = []
         self._hashes: set[Any] = set()
+        # Hashes offered and not kept (stored already or in flight): the CPU tier
+        # must not drop its copies of them to make room for this job.
+        self.passed: set[Any] = set()
 
     @property
     def full(self) -> bool:
@@ -54,7 +64,10 @@ class BlockPicker:
     def offer(self, block: KVCacheBlock) -> None:
         """Keep ``block`` if it is hashed, new to this job and ``wanted``."""
         h = block.block_hash
-        if block.is_null or h is None or h in self._hashes or not self._wanted(block):
+        if block.is_null or h is None or h in self._hashes:
+            return
+        if not self._wanted(block):
+            self.passed.add(h)
             return
         self.blocks.append(block)
         self._hashes.add(h)
@@ -74,6 +87,11 @@ class StorePolicy(ABC):
 
     def on_allocated(self, request: Request, num_groups: int) -> None:
         """``request`` got device blocks (every scheduling of it, new or resumed)."""
+
+    def before_allocation(self, num_blocks: int, picker: BlockPicker) -> None:
+        """vLLM is about to allocate ``num_blocks`` device blocks for KV loaded from
+        the CPU tier (beyond what one step computes): last chance to offer what
+        that allocation may evict."""
 
     def on_preempted(self, req_id: str) -> None:
         """``req_id`` lost its device blocks; it restarts with a fresh block table."""
@@ -113,15 +131,22 @@ class _Cursor:
 class EagerPolicy(StorePolicy):
     """Store every full block once computed."""
 
-    def __init__(self, group_block_sizes: Sequence[int], cacheable_groups: Sequence[int]) -> None:
+    def __init__(self, group_block_sizes: Sequence[int], cacheable_groups: Sequence[int],
+                 restore_window_blocks: int = 0) -> None:
         self.group_block_sizes = list(group_block_sizes)
         self.cacheable_groups = list(cacheable_groups)
         self._cursors: dict[str, _Cursor] = {}
-        # (device block id, its hash) of finished requests, not stored for want of room.
+        # (device block id, its hash) of finished requests, not stored for want of room,
+        # and of preempted ones where dropped copies are stored again.
         self._leftovers: deque[tuple[int, Any]] = deque()
+        # The lazy window over the device's next evictions, where the CPU tier drops
+        # copies of device blocks (0: it keeps them, nothing to store again).
+        self._restore = LazyPolicy(restore_window_blocks) if restore_window_blocks else None
 
     def bind(self, gpu_pool: BlockPool) -> None:
         super().bind(gpu_pool)
+        if self._restore is not None:
+            self._restore.bind(gpu_pool)
         # Leftovers older than one device pool's worth are evicted by now.
         self._leftovers = deque(maxlen=len(gpu_pool.blocks))
 
@@ -130,9 +155,15 @@ class EagerPolicy(StorePolicy):
             self._cursors[request.request_id] = _Cursor(
                 request, [[] for _ in range(num_groups)], [0] * num_groups)
 
+    def before_allocation(self, num_blocks: int, picker: BlockPicker) -> None:
+        if self._restore is not None:
+            self._restore.before_allocation(num_blocks, picker)
+
     def on_preempted(self, req_id: str) -> None:
         cursor = self._cursors.get(req_id)
         if cursor is not None:
+            if self._restore is not None:
+                self._keep_cached(cursor.block_ids)
             cursor.rewind(forget_blocks=True)
 
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
@@ -140,6 +171,8 @@ class EagerPolicy(StorePolicy):
         # completed block, and leave after two comparisons.
         if self._leftovers:
             self._offer_leftovers(picker)  # first: the device may evict them any time
+        if self._restore is not None:
+            self._restore.select(scheduler_output, picker)  # next: the device's next evictions
         cursors = self._cursors
         cached = scheduler_output.scheduled_cached_reqs
         new_reqs = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
@@ -162,6 +195,8 @@ class EagerPolicy(StorePolicy):
                     picker: BlockPicker) -> None:
         cursor = self._cursors.pop(request.request_id, None)
         if cursor is not None:
+            if self._restore is not None:
+                cursor.rewind(forget_blocks=False)  # its copies may have been dropped since
             # The request's last full block may have been computed in this very
             # step: offer it now, from the final block table, or it is lost.
             self._offer(cursor, block_ids, request.num_computed_tokens, picker)
@@ -183,6 +218,17 @@ class EagerPolicy(StorePolicy):
         for g in self.cacheable_groups:
             ready = self._num_ready(block_ids[g], g, confirmed_tokens)
             for block_id in block_ids[g][cursor.num_scanned[g]:ready]:
+                block_hash = blocks[block_id].block_hash
+                if block_hash is not None:
+                    self._leftovers.append((block_id, block_hash))
+
+    def _keep_cached(self, block_ids: Sequence[list[int]]) -> None:
+        """Remember every device block of ``block_ids`` that has a hash (a preempted
+        request's: freed in this step, they stay cached until the device reuses them)."""
+        assert self.gpu_pool is not None, "bind() was not called"
+        blocks = self.gpu_pool.blocks
+        for g in self.cacheable_groups:
+            for block_id in block_ids[g]:
                 block_hash = blocks[block_id].block_hash
                 if block_hash is not None:
                     self._leftovers.append((block_id, block_hash))
@@ -224,13 +270,27 @@ class LazyPolicy(StorePolicy):
         self.window_blocks = window_blocks
 
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
+        self._offer_head(self.window_blocks, picker)
+
+    def before_allocation(self, num_blocks: int, picker: BlockPicker) -> None:
+        # A load allocates its device blocks at once, in the step that schedules it:
+        # the window of two steps of computed tokens may not reach that far.
+        self._offer_head(self.window_blocks + num_blocks, picker)
+
+    def _offer_head(self, num_blocks: int, picker: BlockPicker) -> None:
+        """Offer the first ``num_blocks`` blocks the device would evict. A block the
+        picker keeps is pinned by its store and leaves the free queue, so the
+        evictions reach one block further for each: they are not counted."""
         if self.gpu_pool is None:
             return
         free_queue = vllm_compat.iter_free_blocks(self.gpu_pool.free_block_queue)
-        for n, block in enumerate(free_queue):
-            if n >= self.window_blocks or picker.full:
+        passed = 0
+        for block in free_queue:
+            if passed >= num_blocks or picker.full:
                 break
+            kept = len(picker.blocks)
             picker.offer(block)
+            passed += len(picker.blocks) == kept
 
 
 def lazy_window_blocks(kv_cache_config: KVCacheConfig, max_num_batched_tokens: int) -> int:
