@@ -110,32 +110,62 @@ class DeviceCopies:
                 self._candidates.pop(i, None)
 
     # ------------------------------------------------------------ room
-    def make_room(self, num_blocks: int, keep: Collection[Any] = ()) -> None:
-        """Arrange the head of the CPU free queue so that the next
-        ``get_new_blocks(num_blocks)`` evicts copies of device blocks before
-        blocks only this tier holds (and still takes every block that evicts
-        nothing).
-
-        ``keep``: hashes whose copies stay although the device holds them (the
-        store policy just found them here, and the device may let go of them
-        before its next look).
+    def make_room(self, num_blocks: int, keep: Collection[Any] = (),
+                  spare_device_blocks: bool = False) -> int:
+        """Arrange the head of the CPU free queue for the next ``get_new_blocks``:
+        blocks that evict nothing, then copies of device blocks the device keeps
+        past the store policy's next look, then blocks only this tier holds (in
+        the eviction policy's order), then copies the device may evict before that
+        look (``keep``: hashes counted among those). Returns how many blocks to
+        take: ``num_blocks``, or, with ``spare_device_blocks`` (a store), only as
+        many as come before that last kind: evicting a copy the device may lose
+        soon to store another device block gains nothing, and done step after
+        step it would be all that stores do.
         """
         if not self.drops or num_blocks <= 0 or self.device is None:
-            return
-        queue = self.pool.free_block_queue
-        first = list(islice(vllm_compat.iter_free_blocks(queue), num_blocks))
-        empty = [b for b in first if b.block_hash is None]  # evicting nothing
-        wanted = len(first) - len(empty)
+            return num_blocks
+        window = _Window(self.device, self.window_blocks, keep)
+        empty, others, at_risk = self._split_head(num_blocks, window)
+        wanted = max(0, num_blocks - len(empty))
         copies = self._copies(wanted, keep) if wanted else []
-        if not copies:
-            return
-        chosen = {b.block_id for b in copies}
-        others = [b for b in first if b.block_hash is not None and b.block_id not in chosen]
-        head = empty + copies + others[:wanted - len(copies)]
+        taken = {b.block_id for b in copies}
+        others = [b for b in others if b.block_id not in taken]
+        head = empty[:num_blocks] + copies + others[:wanted - len(copies)]
+        if not spare_device_blocks:
+            head += at_risk[:num_blocks - len(head)]
+        queue = self.pool.free_block_queue
         for b in head:
             queue.remove(b)
         queue.prepend_n(head)
         self.num_dropped += len(copies)
+        return len(head) if spare_device_blocks else num_blocks
+
+    def _split_head(self, num_blocks: int, window: _Window) -> tuple[list, list, list]:
+        """The head of the CPU free queue, read until ``num_blocks`` blocks may go:
+        (blocks evicting nothing, blocks that may go, copies the device may evict
+        soon)."""
+        empty: list[KVCacheBlock] = []
+        others: list[KVCacheBlock] = []
+        at_risk: list[KVCacheBlock] = []
+        budget = num_blocks + _SCAN_MIN + _SCAN_PER_BLOCK * num_blocks
+        for block in islice(vllm_compat.iter_free_blocks(self.pool.free_block_queue), budget):
+            if len(empty) + len(others) >= num_blocks:
+                break
+            if block.block_hash is None:
+                empty.append(block)
+            elif self._at_risk(block, window):
+                at_risk.append(block)
+            else:
+                others.append(block)
+        return empty, others, at_risk
+
+    def _at_risk(self, block: KVCacheBlock, window: _Window) -> bool:
+        """A copy of a device block the device may evict before the store policy's
+        next look (or one the caller keeps)."""
+        if block.block_hash in window.keep:
+            return True
+        held = self.device.cached_block_hash_to_block.get_one_block(block.block_hash)
+        return held is not None and not held.ref_cnt and window.holds(held.block_id)
 
     def _copies(self, wanted: int, keep: Collection[Any]) -> list[KVCacheBlock]:
         """Up to ``wanted`` CPU blocks in the free queue whose device copies outlive
@@ -198,3 +228,20 @@ class DeviceCopies:
             device_block = device_block.prev_free_block
             position -= 1
         return taken
+
+
+class _Window:
+    """Device blocks its next two steps may evict (the head of its free queue, read
+    once, when first asked), and the hashes a caller keeps."""
+
+    def __init__(self, device: BlockPool, size: int, keep: Collection[Any]) -> None:
+        self._device = device
+        self._size = size
+        self._ids: set[int] | None = None
+        self.keep = keep
+
+    def holds(self, block_id: int) -> bool:
+        if self._ids is None:
+            head = islice(vllm_compat.iter_free_blocks(self._device.free_block_queue), self._size)
+            self._ids = {b.block_id for b in head}
+        return block_id in self._ids

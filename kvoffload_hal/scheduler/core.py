@@ -165,7 +165,6 @@ class OffloadScheduler:
                 return None, False  # a staged hit brings these blocks: ask again later
             if staged:
                 self._note_async(request)
-                self.stores.store_ahead(self.policy, staged)
                 return staged, True  # longer than the CPU tier's room: loaded in rounds
             if self.cascade.lookup(
                     request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
@@ -310,4 +309,4 @@ def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,
     if lazy:
         return LazyPolicy(window)
     return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups,
-                       restore_window_blocks=window if cpu.device_copies.drops else 0)
+                       restore_window_blocks=window if config.device_copies != "keep" else 0)

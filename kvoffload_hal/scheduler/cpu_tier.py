@@ -133,6 +133,10 @@ class CpuTier:
         """Whether a block is published under ``block_hash`` (hash with group id)."""
         return self._hash_map.get_one_block(block_hash) is not None
 
+    def cached_block(self, block_hash: Any) -> KVCacheBlock | None:
+        """The block published under ``block_hash`` (hash with group id), if any."""
+        return self._hash_map.get_one_block(block_hash)
+
     def cached(self, block_hashes: Iterable[Any]) -> list[KVCacheBlock]:
         """The blocks published under these hashes (those that are)."""
         found = (self._hash_map.get_one_block(h) for h in block_hashes)
@@ -173,13 +177,17 @@ class CpuTier:
     def num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
 
-    def allocate(self, num_blocks: int, keep: Collection[Any] = ()) -> list[KVCacheBlock]:
-        """Fresh pinned blocks; eviction of unpinned cached blocks happens here.
+    def allocate(self, num_blocks: int, keep: Collection[Any] = (),
+                 for_device_blocks: bool = False) -> list[KVCacheBlock]:
+        """Fresh pinned blocks; eviction of unpinned cached blocks happens here, in
+        the order :meth:`DeviceCopies.make_room` arranges.
 
-        ``keep``: hashes whose copies must not be dropped for this room although
-        the device holds them (it may evict them before they could be stored again).
+        ``keep``: hashes whose copies stay, though the device holds them (it may
+        evict them before they could be stored again). ``for_device_blocks``: the
+        blocks are for copies of device blocks (a store), and may be fewer than
+        asked where the rest would evict such copies.
         """
-        self.device_copies.make_room(num_blocks, keep)
+        num_blocks = self.device_copies.make_room(num_blocks, keep, for_device_blocks)
         blocks = self.pool.get_new_blocks(num_blocks)
         self.eviction.on_allocated(blocks)
         self.device_copies.forget(b.block_id for b in blocks)

@@ -70,7 +70,7 @@ class StoreJobs:
     # ------------------------------------------------------------ picking
     def picker(self) -> BlockPicker:
         """A picker for one batch, bounded by the CPU tier's free blocks."""
-        return BlockPicker(self.cpu.num_free_blocks(), self._storable)
+        return BlockPicker(self.cpu.num_free_blocks(), self._storable, self._held_here)
 
     def _storable(self, block: KVCacheBlock) -> bool:
         h = block.block_hash
@@ -86,13 +86,28 @@ class StoreJobs:
             sum(-(-num_tokens // size) for size in self.cpu.group_block_sizes), picker)
         self.queue(picker)
 
+    def _held_here(self, block: KVCacheBlock) -> bool:
+        """The CPU tier holds ``block``'s hash in a block it could evict."""
+        copy = self.cpu.cached_block(block.block_hash)
+        return copy is not None and not copy.ref_cnt
+
     def queue(self, picker: BlockPicker) -> None:
         if not picker.blocks:
             return
-        gpu_ids = [b.block_id for b in picker.blocks]
-        hashes = [b.block_hash for b in picker.blocks]
         # Eviction happens here; blocks the policy found stored stay (see BlockPicker).
-        cpu_blocks = self.cpu.allocate(len(gpu_ids), keep=picker.passed)
+        # Blocks offered again get only the room that evicts no copy the device may
+        # lose soon (DeviceCopies.make_room): that would gain nothing.
+        first = [b for b in picker.blocks if b.block_id not in picker.again]
+        again = [b for b in picker.blocks if b.block_id in picker.again]
+        cpu_blocks = self.cpu.allocate(len(first), keep=picker.passed) if first else []
+        if again:
+            cpu_blocks += self.cpu.allocate(len(again), keep=picker.passed,
+                                            for_device_blocks=True)
+        if not cpu_blocks:
+            return
+        chosen = (first + again)[:len(cpu_blocks)]
+        gpu_ids = [b.block_id for b in chosen]
+        hashes = [b.block_hash for b in chosen]
         pin_ids(self._gpu_pool(), gpu_ids)
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)

@@ -46,31 +46,47 @@ if TYPE_CHECKING:
 
 
 class BlockPicker:
-    """Device blocks chosen for one store job, at most ``budget`` of them."""
+    """Device blocks chosen for one store job, at most ``budget`` of them.
 
-    def __init__(self, budget: int, wanted: Callable[[KVCacheBlock], bool]) -> None:
+    ``held``: whether the CPU tier holds a block's hash in a block it could evict.
+    Such a block offered is one the job must not evict to make room (the device
+    may let go of it before the policy looks again): it is kept in ``passed`` and
+    takes one block off the budget, so a job never evicts what it just found
+    stored (a window of device blocks larger than the CPU tier would otherwise
+    store and evict its own blocks in turn, step after step).
+    """
+
+    def __init__(self, budget: int, wanted: Callable[[KVCacheBlock], bool],
+                 held: Callable[[KVCacheBlock], bool] | None = None) -> None:
         self.budget = budget
         self._wanted = wanted
+        self._held = held
         self.blocks: list[KVCacheBlock] = []
         self._hashes: set[Any] = set()
-        # Hashes offered and not kept (stored already or in flight): the CPU tier
-        # must not drop its copies of them to make room for this job.
         self.passed: set[Any] = set()
+        # Ids of kept blocks offered *again* (stored before, their copy since dropped):
+        # the CPU tier need not make room for them at the expense of other copies.
+        self.again: set[int] = set()
 
     @property
     def full(self) -> bool:
         return len(self.blocks) >= self.budget
 
-    def offer(self, block: KVCacheBlock) -> None:
-        """Keep ``block`` if it is hashed, new to this job and ``wanted``."""
+    def offer(self, block: KVCacheBlock, again: bool = False) -> None:
+        """Keep ``block`` if it is hashed, new to this job and ``wanted``; ``again``:
+        it was offered before (see :attr:`again`)."""
         h = block.block_hash
-        if block.is_null or h is None or h in self._hashes:
+        if block.is_null or h is None or h in self._hashes or h in self.passed:
             return
         if not self._wanted(block):
-            self.passed.add(h)
+            if self._held is not None and self._held(block):
+                self.passed.add(h)
+                self.budget -= 1
             return
         self.blocks.append(block)
         self._hashes.add(h)
+        if again:
+            self.again.add(block.block_id)
 
 
 class StorePolicy(ABC):
@@ -136,12 +152,13 @@ class EagerPolicy(StorePolicy):
         self.group_block_sizes = list(group_block_sizes)
         self.cacheable_groups = list(cacheable_groups)
         self._cursors: dict[str, _Cursor] = {}
-        # (device block id, its hash) of finished requests, not stored for want of room,
-        # and of preempted ones where dropped copies are stored again.
-        self._leftovers: deque[tuple[int, Any]] = deque()
+        # (device block id, its hash, offered before) of finished requests, not stored for
+        # want of room, and of preempted ones where dropped copies are stored again.
+        self._leftovers: deque[tuple[int, Any, bool]] = deque()
         # The lazy window over the device's next evictions, where the CPU tier drops
         # copies of device blocks (0: it keeps them, nothing to store again).
-        self._restore = LazyPolicy(restore_window_blocks) if restore_window_blocks else None
+        self._restore = (LazyPolicy(restore_window_blocks, again=True)
+                         if restore_window_blocks else None)
 
     def bind(self, gpu_pool: BlockPool) -> None:
         super().bind(gpu_pool)
@@ -171,8 +188,6 @@ class EagerPolicy(StorePolicy):
         # completed block, and leave after two comparisons.
         if self._leftovers:
             self._offer_leftovers(picker)  # first: the device may evict them any time
-        if self._restore is not None:
-            self._restore.select(scheduler_output, picker)  # next: the device's next evictions
         cursors = self._cursors
         cached = scheduler_output.scheduled_cached_reqs
         new_reqs = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
@@ -190,17 +205,23 @@ class EagerPolicy(StorePolicy):
             confirmed = request.num_computed_tokens - request.num_output_placeholders
             if confirmed >= cursor.next_boundary:
                 self._offer(cursor, cursor.block_ids, confirmed, picker)
+        if self._restore is not None:
+            # Last: blocks stored before, whose copies were dropped, among the device's
+            # next evictions (first stores take the room first: they are written
+            # through to a tier behind, and may be evicted as soon, by sliding windows).
+            self._restore.select(scheduler_output, picker)
 
     def on_finished(self, request: Request, block_ids: Sequence[list[int]],
                     picker: BlockPicker) -> None:
         cursor = self._cursors.pop(request.request_id, None)
         if cursor is not None:
-            if self._restore is not None:
-                cursor.rewind(forget_blocks=False)  # its copies may have been dropped since
             # The request's last full block may have been computed in this very
             # step: offer it now, from the final block table, or it is lost.
             self._offer(cursor, block_ids, request.num_computed_tokens, picker)
             self._keep_leftovers(cursor, block_ids, request.num_computed_tokens)
+            if self._restore is not None:
+                # Copies dropped while it ran: its blocks may go in the next step.
+                self._offer_again(block_ids, picker)
 
     def reset(self) -> None:
         for cursor in self._cursors.values():
@@ -220,7 +241,16 @@ class EagerPolicy(StorePolicy):
             for block_id in block_ids[g][cursor.num_scanned[g]:ready]:
                 block_hash = blocks[block_id].block_hash
                 if block_hash is not None:
-                    self._leftovers.append((block_id, block_hash))
+                    self._leftovers.append((block_id, block_hash, False))
+
+    def _offer_again(self, block_ids: Sequence[list[int]], picker: BlockPicker) -> None:
+        assert self.gpu_pool is not None, "bind() was not called"
+        blocks = self.gpu_pool.blocks
+        for g in self.cacheable_groups:
+            for block_id in block_ids[g]:
+                if picker.full:
+                    return
+                picker.offer(blocks[block_id], again=True)
 
     def _keep_cached(self, block_ids: Sequence[list[int]]) -> None:
         """Remember every device block of ``block_ids`` that has a hash (a preempted
@@ -231,16 +261,16 @@ class EagerPolicy(StorePolicy):
             for block_id in block_ids[g]:
                 block_hash = blocks[block_id].block_hash
                 if block_hash is not None:
-                    self._leftovers.append((block_id, block_hash))
+                    self._leftovers.append((block_id, block_hash, True))
 
     def _offer_leftovers(self, picker: BlockPicker) -> None:
         assert self.gpu_pool is not None, "bind() was not called"
         blocks = self.gpu_pool.blocks
         while self._leftovers and not picker.full:
-            block_id, block_hash = self._leftovers.popleft()
+            block_id, block_hash, again = self._leftovers.popleft()
             block = blocks[block_id]
             if block.block_hash == block_hash:  # not evicted since its request finished
-                picker.offer(block)
+                picker.offer(block, again)
 
     def _num_ready(self, ids: Sequence[int], group: int, confirmed_tokens: int) -> int:
         """Device blocks of ``ids`` full of confirmed tokens."""
@@ -266,30 +296,34 @@ class EagerPolicy(StorePolicy):
 class LazyPolicy(StorePolicy):
     """Store the device blocks next in line for eviction (the free queue's head)."""
 
-    def __init__(self, window_blocks: int) -> None:
+    def __init__(self, window_blocks: int, again: bool = False) -> None:
         self.window_blocks = window_blocks
+        self.again = again  # its offers are of blocks stored before (EagerPolicy's window)
 
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
-        self._offer_head(self.window_blocks, picker)
+        if self.gpu_pool is None:
+            return
+        free_queue = vllm_compat.iter_free_blocks(self.gpu_pool.free_block_queue)
+        for n, block in enumerate(free_queue):
+            if n >= self.window_blocks or picker.full:
+                break
+            picker.offer(block, self.again)
 
     def before_allocation(self, num_blocks: int, picker: BlockPicker) -> None:
-        # A load allocates its device blocks at once, in the step that schedules it:
-        # the window of two steps of computed tokens may not reach that far.
-        self._offer_head(self.window_blocks + num_blocks, picker)
-
-    def _offer_head(self, num_blocks: int, picker: BlockPicker) -> None:
-        """Offer the first ``num_blocks`` blocks the device would evict. A block the
-        picker keeps is pinned by its store and leaves the free queue, so the
-        evictions reach one block further for each: they are not counted."""
+        """A load allocates its device blocks at once, in the step that schedules it,
+        beyond what the window of two steps of computed tokens covers: offer the
+        blocks that allocation and the window reach. A block the picker keeps is
+        pinned by its store and leaves the free queue, so the allocation reaches
+        one block further for each: kept blocks are not counted."""
         if self.gpu_pool is None:
             return
         free_queue = vllm_compat.iter_free_blocks(self.gpu_pool.free_block_queue)
         passed = 0
         for block in free_queue:
-            if passed >= num_blocks or picker.full:
+            if passed >= self.window_blocks + num_blocks or picker.full:
                 break
             kept = len(picker.blocks)
-            picker.offer(block)
+            picker.offer(block, self.again)
             passed += len(picker.blocks) == kept
 
 
