@@ -29,14 +29,15 @@ key                     default     meaning
                                     was stored, as the best of four candidate
                                     insertions on sampled shadows says; see
                                     ``eviction.py``)
-``device_copies``       ``drop``    CPU-tier copies of blocks the device also
-                                    holds: ``drop``: evicted before any block only
-                                    the CPU tier holds, and stored again before the
-                                    device evicts the block; ``drop_stored``: the
-                                    same for copies made by stores, while a block
-                                    loaded to the device keeps its CPU copy in the
-                                    ``eviction`` order; ``keep``: ranked like any
-                                    other block (the tiers are inclusive)
+``device_copies``       ``keep``    CPU-tier copies of blocks the device also
+                                    holds: ``keep``: ranked like any other block
+                                    (the tiers are inclusive); ``drop``: evicted
+                                    before any block only the CPU tier holds, and
+                                    stored again before the device evicts the
+                                    block; ``drop_stored``: the same for copies
+                                    made by stores, while a block loaded to the
+                                    device keeps its CPU copy in the ``eviction``
+                                    order
 ``prefetch_requests``   4           with a secondary tier: how many of the oldest
                                     waiting requests not yet looked up by vLLM's
                                     scheduler have their tier blocks promoted into

@@ -70,7 +70,8 @@ class StoreJobs:
     # ------------------------------------------------------------ picking
     def picker(self) -> BlockPicker:
         """A picker for one batch, bounded by the CPU tier's free blocks."""
-        return BlockPicker(self.cpu.num_free_blocks(), self._storable, self._held_here)
+        held = self._held_here if self.cpu.device_copies.drops else None
+        return BlockPicker(self.cpu.num_free_blocks(), self._storable, held)
 
     def _storable(self, block: KVCacheBlock) -> bool:
         h = block.block_hash
@@ -80,7 +81,10 @@ class StoreJobs:
     def store_ahead(self, policy: StorePolicy, num_tokens: int) -> None:
         """Before vLLM allocates device blocks for ``num_tokens`` loaded tokens: the
         blocks that allocation may evict, as ``policy`` offers them, are queued now
-        (a queued store pins its device block, so the allocation passes it by)."""
+        (a queued store pins its device block, so the allocation passes it by).
+        Only where the CPU tier drops copies of device blocks (``device_copies``)."""
+        if not self.cpu.device_copies.drops:
+            return
         picker = self.picker()
         policy.before_allocation(
             sum(-(-num_tokens // size) for size in self.cpu.group_block_sizes), picker)
