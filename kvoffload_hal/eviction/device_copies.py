@@ -127,12 +127,14 @@ class DeviceCopies:
         window = _Window(self.device, self.window_blocks, keep)
         empty, others, at_risk = self._split_head(num_blocks, window)
         wanted = max(0, num_blocks - len(empty))
-        copies = self._copies(wanted, keep) if wanted else []
+        copies = self._copies(wanted, keep, spare_device_blocks) if wanted else []
         taken = {b.block_id for b in copies}
         others = [b for b in others if b.block_id not in taken]
         head = empty[:num_blocks] + copies + others[:wanted - len(copies)]
         if not spare_device_blocks:
             head += at_risk[:num_blocks - len(head)]
+        # Once each (a hash the device holds twice may name one copy twice).
+        head = list({b.block_id: b for b in head}.values())
         queue = self.pool.free_block_queue
         for b in head:
             queue.remove(b)
@@ -167,10 +169,12 @@ class DeviceCopies:
         held = self.device.cached_block_hash_to_block.get_one_block(block.block_hash)
         return held is not None and not held.ref_cnt and window.holds(held.block_id)
 
-    def _copies(self, wanted: int, keep: Collection[Any]) -> list[KVCacheBlock]:
+    def _copies(self, wanted: int, keep: Collection[Any], again: bool) -> list[KVCacheBlock]:
         """Up to ``wanted`` CPU blocks in the free queue whose device copies outlive
-        the next look of the store policy, the longest-lived first."""
-        copies = self._copies_in_use(wanted, keep)
+        the next look of the store policy, the longest-lived first. For blocks stored
+        ``again``, not copies of blocks a request uses: the device lets go of those
+        when it ends, and each would be one more block to store again."""
+        copies = [] if again else self._copies_in_use(wanted, keep)
         if len(copies) < wanted:
             copies += self._copies_at_the_back(wanted - len(copies), keep,
                                                {b.block_id for b in copies})
@@ -225,6 +229,7 @@ class DeviceCopies:
             if (copy is not None and not copy.ref_cnt and copy.block_id not in taken_ids
                     and not (self._loaded and self._loaded[copy.block_id])):
                 taken.append(copy)
+                taken_ids.add(copy.block_id)
             device_block = device_block.prev_free_block
             position -= 1
         return taken

@@ -308,5 +308,7 @@ def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,
                                 vllm_config.scheduler_config.max_num_batched_tokens)
     if lazy:
         return LazyPolicy(window)
+    # Dropped copies are stored again unless a tier behind holds them (write-through).
+    restore = config.device_copies != "keep" and config.tier is None
     return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups,
-                       restore_window_blocks=window if config.device_copies != "keep" else 0)
+                       restore_window_blocks=window if restore else 0)

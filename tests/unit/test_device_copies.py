@@ -166,11 +166,12 @@ def test_blocks_the_device_evicts_before_they_are_stored_again_are_recomputed(
 def test_with_a_disk_tier_and_two_kv_cache_groups_every_block_is_written_and_comes_back(
         make_engine, tmp_path, mode):
     """A sliding-window group next to full attention, a CPU tier smaller than the
-    device and a disk tier behind: copies dropped from the CPU tier are still
-    written through (each (group, block) once), stored again without evicting one
-    another in turn, and the second pass finds every document."""
+    device and a disk tier behind: copies dropped from the CPU tier were written
+    through first (each (group, block) once; the tier serves them, so they are not
+    stored again), and the second pass finds every document."""
     page = BS * 128
-    engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=12, extra_config={
+    engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=12, **CHUNK,
+                         extra_config={
         "device_copies": mode, "disk_path": str(tmp_path / "kv"),
         "disk_bytes_to_use": 400 * page})
     docs = _docs(6)
@@ -180,10 +181,7 @@ def test_with_a_disk_tier_and_two_kv_cache_groups_every_block_is_written_and_com
             engine.run_until_done()
             engine.drain()
     totals = engine.offload.totals.data
+    assert engine.offload.cpu.device_copies.num_dropped > 0
     assert totals["blocks_to_disk"] == 2 * len(docs) * DOC_BLOCKS  # both groups, once each
     assert [engine.cached_tokens[f"b{i}"] for i in range(len(docs))] == [DOC_BLOCKS * BS] * 6
-    # Stores again stay few (78 here). Jobs that could evict the copies they found
-    # stored, and stores again that could evict copies the device may lose soon,
-    # took 363 and 1367: they evicted each other's blocks step after step.
-    assert totals["blocks_stored"] < 4 * totals["blocks_to_disk"]
     engine.assert_idle()
