@@ -25,12 +25,16 @@ disk tier behind the CPU tier big enough for every document (write-through, so
 the warm-up pass fills it). It matters where the working set outgrows the CPU
 tier: at 64 documents a CPU tier of 30 serves few hits in a random order.
 
-Engine (3) runs once per ``--eviction`` policy (the first is named
-``prefix-cache+offload``, others ``prefix-cache+offload[<policy>]``). Its CPU
-tier records its block access trace; the eviction summary gives its hit
-blocks as a fraction of Belady's optimum on that trace, next to LRU's and
-vLLM's offloading policies' replays of it, and its computed tokens against
-the minimum (every prefix served from a cache).
+Engine (3) runs once per ``--eviction`` policy and ``--device-copies`` mode (the
+first of each is named ``prefix-cache+offload``, others
+``prefix-cache+offload[<policy>, <mode>]``). Its CPU tier records its block access
+trace; the eviction summary gives its hit blocks as a fraction of Belady's optimum
+on that trace, next to LRU's and vLLM's offloading policies' replays of it, and its
+computed tokens against the minimum (every prefix served from a cache). The
+hierarchy summary gives, for every engine, the prompt blocks any of its caches
+served against Belady's optimum of all of them together (device cache, CPU tier,
+disk tier), on the requests in the order the engine admitted them
+(``long_doc_qa_hierarchy.py``).
 
 Reported per engine: wall time of the measured pass, TTFT mean/p50/p99 (from
 ``RequestOutput.metrics.first_token_latency``: vLLM fills it offline when stats
@@ -38,7 +42,7 @@ logging is enabled), prompt tokens served from a cache, and the connector's CPU
 tier hits. Prints a table and writes ``docs/benchmarks/long_doc_qa.{md,png}``.
 
     python benchmarks/long_doc_qa.py [--num-documents 16 32 64] [--document-length 256]
-                                     [--eviction adaptive lru]
+                                     [--eviction adaptive lru] [--device-copies drop keep]
                                      [--repeats 1] [--disk [--disk-dir DIR]]
                                      [--same-batch-limit] [--quick]
 """
@@ -55,6 +59,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from long_doc_qa_hierarchy import Admissions, hierarchy_table
 from long_doc_qa_report import (
     CONFIGS,
     DISK,
@@ -75,7 +80,12 @@ from kvoffload_hal.demo.inprocess import (
     set_inprocess_env,
 )
 from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
-from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, eviction_names
+from kvoffload_hal.eviction.registry import (
+    DEFAULT_DEVICE_COPIES,
+    DEFAULT_EVICTION,
+    DEVICE_COPY_MODES,
+    eviction_names,
+)
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 MODEL_DIR = os.path.expanduser("~/.cache/kvoffload_hal/long_doc_qa_llama")
@@ -138,15 +148,16 @@ def documents(num_docs: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def engine_spec(config: str, num_docs: int, length: int, model: str,
-                disk_dir: str | None = None, eviction: str = DEFAULT_EVICTION) -> EngineSpec:
+                disk_dir: str | None = None, eviction: str = DEFAULT_EVICTION,
+                device_copies: str = DEFAULT_DEVICE_COPIES) -> EngineSpec:
     blocks_per_doc = -(-(length + OUTPUT_TOKENS) // BLOCK_SIZE)
     extra = {}
     if config in (OFFLOAD, DISK):
-        extra["eviction"] = eviction
+        extra.update(eviction=eviction, device_copies=device_copies)
     if config == DISK:
         # Room for every document's full blocks, with a spare document.
-        extra.update(disk_path=disk_dir,
-                     disk_bytes_to_use=(num_docs + 1) * blocks_per_doc * block_bytes(MODEL))
+        extra.update(disk_path=disk_dir, disk_bytes_to_use=disk_blocks(num_docs, length)
+                     * block_bytes(MODEL))
     if config in ("prefix-cache-limit", SAME_BATCH):
         # A full copy for each of the 2N requests of the measured pass: nothing
         # is ever evicted and nothing is preempted, whatever the batching.
@@ -166,6 +177,11 @@ def engine_spec(config: str, num_docs: int, length: int, model: str,
     )
 
 
+def disk_blocks(num_docs: int, length: int) -> int:
+    """The disk tier of engine (5): every document's blocks, and a spare document."""
+    return (num_docs + 1) * -(-(length + OUTPUT_TOKENS) // BLOCK_SIZE)
+
+
 def minimum_computed_tokens(num_docs: int, length: int) -> int:
     """Tokens the measured pass computes when every prefix comes from a cache:
     per request, the tokens after its last full block before the last prompt
@@ -175,7 +191,8 @@ def minimum_computed_tokens(num_docs: int, length: int) -> int:
 
 
 def run_one(config: str, docs: list[list[int]], seed: int, model: str,
-            disk_root: str | None = None, eviction: str = DEFAULT_EVICTION) -> Result:
+            disk_root: str | None = None, eviction: str = DEFAULT_EVICTION,
+            device_copies: str = DEFAULT_DEVICE_COPIES) -> Result:
     set_inprocess_env()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -183,7 +200,8 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
     disk_dir = None
     if config == DISK:  # a fresh, empty directory per run
         disk_dir = tempfile.mkdtemp(prefix="long_doc_qa_disk_", dir=disk_root)
-    spec = engine_spec(config, len(docs), len(docs[0]), model, disk_dir, eviction)
+    spec = engine_spec(config, len(docs), len(docs[0]), model, disk_dir, eviction,
+                       device_copies)
     # Stats logging on: RequestOutput.metrics carries each request's TTFT.
     llm = LLM(**spec.llm_kwargs(), disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -191,8 +209,10 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
         conn = scheduler_connector(llm) if spec.offload else None
         if conn is not None:  # every CPU-tier access from the start, warm-up included
             conn.scheduler.cpu.eviction.trace = []
+        admissions = Admissions(llm, BLOCK_SIZE)
         warm = [TokensPrompt(prompt_token_ids=d) for d in docs]
         llm.generate(warm, params, use_tqdm=False)
+        measured_from = len(admissions.requests)
         order = [i for i in range(len(docs)) for _ in range(2)]
         random.Random(seed).shuffle(order)
         prompts = [TokensPrompt(prompt_token_ids=docs[i]) for i in order]
@@ -213,9 +233,13 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
                                         if o.metrics is not None))
         if config == DISK:
             result.extra["blocks_from_disk"] = totals.get("blocks_from_disk", 0) - promoted_before
+        result.extra["hierarchy"] = dict(
+            admissions.optimum(_cache_blocks(spec, conn, len(docs), len(docs[0])),
+                               measured_from),
+            hits=sum((o.num_cached_tokens or 0) // BLOCK_SIZE for o in outputs))
         if conn is not None:
             cpu = conn.scheduler.cpu
-            result.policy = eviction
+            result.policy = f"{eviction}, {device_copies}"
             # The pool's block 0 is vLLM's null block: it never caches.
             result.extra["trace_hits"] = recorded_trace_hits(cpu.eviction.trace,
                                                              cpu.num_blocks - 1)
@@ -224,6 +248,16 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
         close_llm(llm)
         if disk_dir is not None:
             shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def _cache_blocks(spec: EngineSpec, conn, num_docs: int, length: int) -> int:
+    """Blocks every cache of the engine holds together (vLLM's null block aside)."""
+    blocks = spec.num_gpu_blocks - 1
+    if conn is not None:
+        blocks += conn.scheduler.cpu.num_blocks - 1
+    if spec.extra_config.get("disk_path"):
+        blocks += disk_blocks(num_docs, length)
+    return blocks
 
 
 def _count_steps(llm) -> list[int]:
@@ -262,6 +296,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eviction", nargs="+", default=[DEFAULT_EVICTION],
                         choices=eviction_names(),
                         help=f"CPU-tier eviction of {OFFLOAD}, one run each (the first is "
+                             "the one compared in the main table)")
+    parser.add_argument("--device-copies", nargs="+", default=[DEFAULT_DEVICE_COPIES],
+                        choices=DEVICE_COPY_MODES,
+                        help=f"what the CPU tier of {OFFLOAD} does with copies of blocks the "
+                             "device holds, one run each with each --eviction (the first is "
                              "the one compared in the main table)")
     parser.add_argument("--disk", action="store_true",
                         help=f"also run {DISK}: a disk tier holding every document")
@@ -310,15 +349,17 @@ def run_all(args: argparse.Namespace, model: str, vocab: int) -> list[Result]:
     results: list[Result] = []
     for n in args.num_documents:
         docs = documents(n, args.document_length, vocab)
-        runs_of = [(c, p) for c in args.configs
-                   for p in (args.eviction if c == OFFLOAD else [args.eviction[0]])]
-        for config, policy in runs_of:
-            runs = [run_one(config, docs, args.seed, model, args.disk_dir, policy)
+        first = (args.eviction[0], args.device_copies[0])
+        runs_of = [(c, p, m) for c in args.configs
+                   for p in (args.eviction if c == OFFLOAD else first[:1])
+                   for m in (args.device_copies if c == OFFLOAD else first[1:])]
+        for config, policy, copies in runs_of:
+            runs = [run_one(config, docs, args.seed, model, args.disk_dir, policy, copies)
                     for _ in range(args.repeats)]
             best = min(runs, key=lambda r: r.wall_s)
             best.extra["all_wall_s"] = [round(r.wall_s, 3) for r in runs]
             if config == OFFLOAD:
-                best.config = offload_label(policy, args.eviction[0])
+                best.config = offload_label((policy, copies), first)
             results.append(best)
             disk_note = (f"  from disk {best.extra['blocks_from_disk']} blocks"
                          if config == DISK else "")
@@ -336,7 +377,8 @@ def write_report(args: argparse.Namespace, results: list[Result], shape: str,
                  setup: str) -> None:
     minimum = {n: minimum_computed_tokens(n, args.document_length) for n in args.num_documents}
     table = (format_table(results, args.num_documents) + "\n\n"
-             + eviction_table(results, args.num_documents, minimum))
+             + eviction_table(results, args.num_documents, minimum) + "\n\n"
+             + hierarchy_table(results, args.num_documents, BLOCK_SIZE))
     print(table)
     if args.quick:
         return

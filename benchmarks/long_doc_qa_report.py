@@ -24,9 +24,11 @@ TARGET_DISK_SPEEDUP = 1.5
 Result = Any  # long_doc_qa.Result
 
 
-def offload_label(policy: str, default: str) -> str:
-    """Engine (3) with the default eviction policy, or another one, named apart."""
-    return OFFLOAD if policy == default else f"{OFFLOAD}[{policy}]"
+def offload_label(choice: tuple[str, ...], first: tuple[str, ...]) -> str:
+    """Engine (3) with the first of each choice (eviction policy, device copies), or
+    another, named apart by what differs."""
+    differs = [c for c, f in zip(choice, first) if c != f]
+    return f"{OFFLOAD}[{', '.join(differs)}]" if differs else OFFLOAD
 
 
 def eviction_table(results: list[Result], ns: list[int], minimum: dict[int, int]) -> str:

@@ -30,6 +30,15 @@ key                     default     meaning
                                     insertions on sampled shadows says; see
                                     ``eviction/adaptive.py``), or a plug-in
                                     policy's name (``eviction/registry.py``)
+``device_copies``       ``keep``    CPU-tier copies of blocks the device also
+                                    holds: ``keep``: ranked like any other block
+                                    (the tiers are inclusive); ``drop``: evicted
+                                    before any block only the CPU tier holds, and
+                                    stored again before the device evicts the
+                                    block; ``drop_stored``: the same for copies
+                                    made by stores, while a block loaded to the
+                                    device keeps its CPU copy in the ``eviction``
+                                    order
 ``prefetch_requests``   4           with a secondary tier: how many of the oldest
                                     waiting requests not yet looked up by vLLM's
                                     scheduler have their tier blocks promoted into
@@ -74,7 +83,12 @@ from kvoffload_hal.config_values import (
     share,
     whole_blocks,
 )
-from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, eviction_names
+from kvoffload_hal.eviction.registry import (
+    DEFAULT_DEVICE_COPIES,
+    DEFAULT_EVICTION,
+    DEVICE_COPY_MODES,
+    eviction_names,
+)
 from kvoffload_hal.host_memory import host_memory
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.registry import parse_tier, tier_keys
@@ -98,7 +112,7 @@ DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S = 2.0
 
 
 CORE_KEYS = ("cpu_bytes_to_use", "lazy_offload", "load_mode", "allow_overcommit", "eviction",
-             "prefetch_requests", "prefetch_cpu_share", "prefetch_blocks",
+             "device_copies", "prefetch_requests", "prefetch_cpu_share", "prefetch_blocks",
              "shutdown_flush_timeout_s")
 LOAD_MODES = ("auto", "async", "sync")
 
@@ -110,6 +124,7 @@ class OffloadConfig:
     load_mode: str = "auto"
     allow_overcommit: bool = False
     eviction: str = DEFAULT_EVICTION
+    device_copies: str = DEFAULT_DEVICE_COPIES
     prefetch_requests: int = DEFAULT_PREFETCH_REQUESTS
     prefetch_cpu_share: float = DEFAULT_PREFETCH_CPU_SHARE
     prefetch_blocks: int = 0  # 0: the share alone caps what prefetched requests hold
@@ -134,6 +149,8 @@ class OffloadConfig:
             allow_overcommit=boolean("allow_overcommit", extra.get("allow_overcommit", False)),
             eviction=one_of("eviction", extra.get("eviction", DEFAULT_EVICTION),
                             eviction_names()),
+            device_copies=one_of("device_copies", extra.get(
+                "device_copies", DEFAULT_DEVICE_COPIES), DEVICE_COPY_MODES),
             prefetch_requests=count("prefetch_requests", extra.get(
                 "prefetch_requests", DEFAULT_PREFETCH_REQUESTS), "requests"),
             prefetch_cpu_share=share("prefetch_cpu_share", extra.get(

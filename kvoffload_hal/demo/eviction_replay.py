@@ -35,8 +35,9 @@ REPLAY_BLOCK_SIZE = 16  # tokens per block in a replayed tier: only the count ma
 NEVER = 1 << 62
 
 
-def belady_hits(trace: Trace, capacity: int) -> int:
-    """Hit blocks of the offline optimum (MIN with bypass) on ``trace``."""
+def belady_hits(trace: Trace, capacity: int, counted_from: int = 0) -> int:
+    """Hit blocks of the offline optimum (MIN with bypass) on ``trace``, counted
+    from its request ``counted_from`` on (those before only fill the cache)."""
     flat = [k for request in trace for k in request]
     next_use = [NEVER] * len(flat)
     last: dict[int, int] = {}
@@ -47,8 +48,8 @@ def belady_hits(trace: Trace, capacity: int) -> int:
     heap: list[tuple[int, int]] = []  # (-next use, key); stale entries skipped
     hits = 0
     i = 0
-    for request in trace:
-        in_prefix = True
+    for n, request in enumerate(trace):
+        in_prefix = n >= counted_from
         for key in request:
             nxt = next_use[i]
             i += 1

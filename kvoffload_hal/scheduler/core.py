@@ -77,7 +77,8 @@ class OffloadScheduler:
         self.cpu = CpuTier(vllm_config, kv_cache_config,
                            num_cpu_blocks(kv_cache_config,
                                           config.cpu_bytes_per_rank(self.world_size)),
-                           block_size, hash_block_size, eviction=config.eviction)
+                           block_size, hash_block_size, eviction=config.eviction,
+                           device_copies=config.device_copies)
         self.stats = StatsLedger()
         self.policy = _make_policy(config, kv_cache_config, vllm_config, self.cpu)
         self.cascade = build_cascade(config.tier, self.caps.secondary_tier, kv_cache_config,
@@ -126,6 +127,7 @@ class OffloadScheduler:
 
     def bind_gpu_block_pool(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
+        self.cpu.bind_device(gpu_pool)
         self.policy.bind(gpu_pool)
         self.stores.bind(gpu_pool)
         for part in self._parts:
@@ -171,6 +173,7 @@ class OffloadScheduler:
         if hit_tokens <= 0:
             return 0, False
         self.loads.hold_hit(req_id, hit, num_computed_tokens)
+        self.stores.store_ahead(self.policy, hit_tokens)
         if not self.caps.sync_loads:
             self._note_async(request)
         return hit_tokens, not self.caps.sync_loads
@@ -302,7 +305,11 @@ def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,
                     "eager stores would never hit them",
                     ", ".join(map(str, cpu.unstable_groups)), ", ".join(names))
         lazy = True
+    window = lazy_window_blocks(kv_cache_config,
+                                vllm_config.scheduler_config.max_num_batched_tokens)
     if lazy:
-        return LazyPolicy(lazy_window_blocks(
-            kv_cache_config, vllm_config.scheduler_config.max_num_batched_tokens))
-    return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups)
+        return LazyPolicy(window)
+    # Dropped copies are stored again unless a tier behind holds them (write-through).
+    restore = config.device_copies != "keep" and config.tier is None
+    return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups,
+                       restore_window_blocks=window if restore else 0)

@@ -12,14 +12,17 @@ hash->block map, HMA group semantics and KV events all come from vLLM.
   ``BlockStored`` event of medium CPU; evictions are labelled CPU too;
 * an :class:`~kvoffload_hal.eviction.base.Eviction` that decides where a block the
   tier lets go of goes in the free queue (vLLM's eviction order), told of
-  every load and store.
+  every load and store;
+* :class:`~kvoffload_hal.eviction.device_copies.DeviceCopies`: copies of blocks
+  the device also holds are evicted first (``device_copies``), so that the
+  device and the tier hold different blocks.
 
 No device is touched here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +35,9 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.eviction.registry import DEFAULT_EVICTION, make_eviction
+from kvoffload_hal.eviction.device_copies import DeviceCopies
+from kvoffload_hal.eviction.registry import DEFAULT_DEVICE_COPIES, DEFAULT_EVICTION, make_eviction
+from kvoffload_hal.scheduler.store_policy import lazy_window_blocks
 from kvoffload_hal.vllm_compat import MEDIUM_CPU
 
 if TYPE_CHECKING:
@@ -69,7 +74,8 @@ class CpuTier:
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  num_blocks: int, block_size: int, hash_block_size: int,
-                 eviction: str = DEFAULT_EVICTION) -> None:
+                 eviction: str = DEFAULT_EVICTION,
+                 device_copies: str = DEFAULT_DEVICE_COPIES) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_block_size = hash_block_size
@@ -81,6 +87,9 @@ class CpuTier:
             enable_kv_cache_events=self.emit_kv_events)
         self.pool = self.coordinator.block_pool
         self.eviction = make_eviction(eviction, self.pool, num_blocks)
+        # The device blocks its next two steps may evict: never dropped from here.
+        self.device_copies = DeviceCopies(self.pool, device_copies, lazy_window_blocks(
+            config, vllm_config.scheduler_config.max_num_batched_tokens))
         # Evictions from this pool are evictions from CPU memory: label its KV
         # events so a KV-aware router does not take them for device ones. A pool
         # without the attribute labels them itself: relabel them as they are taken.
@@ -123,6 +132,10 @@ class CpuTier:
         """Whether a block is published under ``block_hash`` (hash with group id)."""
         return self._hash_map.get_one_block(block_hash) is not None
 
+    def cached_block(self, block_hash: Any) -> KVCacheBlock | None:
+        """The block published under ``block_hash`` (hash with group id), if any."""
+        return self._hash_map.get_one_block(block_hash)
+
     def cached(self, block_hashes: Iterable[Any]) -> list[KVCacheBlock]:
         """The blocks published under these hashes (those that are)."""
         found = (self._hash_map.get_one_block(h) for h in block_hashes)
@@ -147,7 +160,13 @@ class CpuTier:
 
     def record_load(self, block_ids: Sequence[int]) -> None:
         """These blocks were copied to the device (a hit): the policy counts a reuse."""
-        self.eviction.on_loaded([self.pool.blocks[b] for b in block_ids])
+        blocks = [self.pool.blocks[b] for b in block_ids]
+        self.eviction.on_loaded(blocks)
+        self.device_copies.note_loaded(blocks)
+
+    def bind_device(self, device_pool: BlockPool) -> None:
+        """The device's prefix cache: copies of what it holds are evicted first."""
+        self.device_copies.bind(device_pool)
 
     def num_pinned_blocks(self) -> int:
         """Blocks referenced by a hit or a copy (0 when the tier is idle)."""
@@ -170,10 +189,20 @@ class CpuTier:
     def num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
 
-    def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Fresh pinned blocks; eviction of unpinned cached blocks happens here."""
+    def allocate(self, num_blocks: int, keep: Collection[Any] = (),
+                 for_device_blocks: bool = False) -> list[KVCacheBlock]:
+        """Fresh pinned blocks; eviction of unpinned cached blocks happens here, in
+        the order :meth:`DeviceCopies.make_room` arranges.
+
+        ``keep``: hashes whose copies stay, though the device holds them (it may
+        evict them before they could be stored again). ``for_device_blocks``: the
+        blocks are for copies of device blocks (a store), and may be fewer than
+        asked where the rest would evict such copies.
+        """
+        num_blocks = self.device_copies.make_room(num_blocks, keep, for_device_blocks)
         blocks = self.pool.get_new_blocks(num_blocks)
         self.eviction.on_allocated(blocks)
+        self.device_copies.forget(b.block_id for b in blocks)
         return blocks
 
     def blocks(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
@@ -185,6 +214,7 @@ class CpuTier:
             # vLLM has no public "insert this hash" call (see vllm_compat).
             vllm_compat.insert_block_hash(self.pool, block_hash, block)
         self.eviction.on_stored(blocks, hashes)
+        self.device_copies.note_stored(blocks)
         if self.emit_kv_events:
             self._queue_stored_events(hashes)
 
@@ -193,6 +223,7 @@ class CpuTier:
         block_ids = set(block_ids)
         self.pool.evict_blocks(block_ids)
         self.eviction.on_dropped(block_ids)
+        self.device_copies.forget(block_ids)
 
     def drop_all(self) -> None:
         self.drop(range(self.num_blocks))

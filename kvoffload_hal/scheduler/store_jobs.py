@@ -21,7 +21,7 @@ from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, StoreSpec
 from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
 from kvoffload_hal.scheduler.jobs import JobBook
-from kvoffload_hal.scheduler.store_policy import BlockPicker
+from kvoffload_hal.scheduler.store_policy import BlockPicker, StorePolicy
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -76,19 +76,48 @@ class StoreJobs:
     # ------------------------------------------------------------ picking
     def picker(self) -> BlockPicker:
         """A picker for one batch, bounded by the CPU tier's free blocks."""
-        return BlockPicker(self.cpu.num_free_blocks(), self._storable)
+        held = self._held_here if self.cpu.device_copies.drops else None
+        return BlockPicker(self.cpu.num_free_blocks(), self._storable, held)
 
     def _storable(self, block: KVCacheBlock) -> bool:
         h = block.block_hash
         return (block.block_id not in self._in_flight_gpu
                 and h not in self._in_flight_hashes and not self.cpu.holds(h))
 
+    def store_ahead(self, policy: StorePolicy, num_tokens: int) -> None:
+        """Before vLLM allocates device blocks for ``num_tokens`` loaded tokens: the
+        blocks that allocation may evict, as ``policy`` offers them, are queued now
+        (a queued store pins its device block, so the allocation passes it by).
+        Only where the CPU tier drops copies of device blocks (``device_copies``)."""
+        if not self.cpu.device_copies.drops:
+            return
+        picker = self.picker()
+        policy.before_allocation(
+            sum(-(-num_tokens // size) for size in self.cpu.group_block_sizes), picker)
+        self.queue(picker)
+
+    def _held_here(self, block: KVCacheBlock) -> bool:
+        """The CPU tier holds ``block``'s hash in a block it could evict."""
+        copy = self.cpu.cached_block(block.block_hash)
+        return copy is not None and not copy.ref_cnt
+
     def queue(self, picker: BlockPicker) -> None:
         if not picker.blocks:
             return
-        gpu_ids = [b.block_id for b in picker.blocks]
-        hashes = [b.block_hash for b in picker.blocks]
-        cpu_blocks = self.cpu.allocate(len(gpu_ids))  # LRU eviction happens here
+        # Eviction happens here; blocks the policy found stored stay (see BlockPicker).
+        # Blocks offered again get only the room that evicts no copy the device may
+        # lose soon (DeviceCopies.make_room): that would gain nothing.
+        first = [b for b in picker.blocks if b.block_id not in picker.again]
+        again = [b for b in picker.blocks if b.block_id in picker.again]
+        cpu_blocks = self.cpu.allocate(len(first), keep=picker.passed) if first else []
+        if again:
+            cpu_blocks += self.cpu.allocate(len(again), keep=picker.passed,
+                                            for_device_blocks=True)
+        if not cpu_blocks:
+            return
+        chosen = (first + again)[:len(cpu_blocks)]
+        gpu_ids = [b.block_id for b in chosen]
+        hashes = [b.block_hash for b in chosen]
         pin_ids(self._gpu_pool(), gpu_ids)
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)

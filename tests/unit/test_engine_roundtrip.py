@@ -387,8 +387,9 @@ def test_get_finished_twice_on_the_same_metadata_launches_once(make_engine):
     assert backend_doubles.launches.count(("store", 1)) == 1
 
 
-def test_reset_cache_forgets_prefixes_and_drops_stores_in_flight(make_engine):
-    engine = make_engine(backend="slow-cpu")
+@pytest.mark.parametrize("device_copies", ["keep", "drop"])
+def test_reset_cache_forgets_prefixes_and_drops_stores_in_flight(make_engine, device_copies):
+    engine = make_engine(backend="slow-cpu", extra_config={"device_copies": device_copies})
     docs = _docs(3, 64)
     for i, d in enumerate(docs):
         engine.add(f"a{i}", d)
@@ -401,7 +402,14 @@ def test_reset_cache_forgets_prefixes_and_drops_stores_in_flight(make_engine):
     assert engine.connector.reset_cache() is True
     engine.run_until_done()
     engine.drain()
-    assert len(engine.offload.cpu.pool.cached_block_hash_to_block) == 0
+    cpu = {b.block_hash for b in engine.offload.cpu.pool.blocks if b.block_hash is not None}
+    if device_copies == "keep":
+        assert not cpu
+    else:
+        # Only copies of what the device still holds, stored since (a block the
+        # device would evict and the CPU tier lacks is stored again).
+        device = engine.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+        assert all(device.get_one_block(h) is not None for h in cpu)
     engine.assert_idle()
 
 

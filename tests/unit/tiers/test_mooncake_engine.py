@@ -94,3 +94,27 @@ def test_an_unreachable_master_serves_without_the_tier_or_refuses(make_engine, c
     assert len(lines) == 1  # one line, though the scheduler and the worker both checked
     with pytest.raises(MooncakeUnavailable, match="mooncake_required"):
         _engine(make_engine, address, mooncake_required=True)
+
+
+def test_copies_dropped_for_the_device_are_still_written_through_once(make_engine, master):
+    """``device_copies: drop`` on a CPU tier smaller than the device, two KV cache
+    groups, prefill in chunks of 2 blocks (so copies of a running request drop): every
+    (group, block) reaches the store once, and a second engine serves
+    every document from it."""
+    docs = [[(i * 7 + d) % 89 + 1 for i in range(4 * BS + 1)] for d in range(6)]
+    a = make_engine(cpu_blocks=12, num_gpu_blocks=40, sliding_window=32,
+                    max_num_batched_tokens=2 * BS, extra_config={
+        "mooncake_master": master.address, "mooncake_segment_bytes": 16 << 20,
+        "mooncake_buffer_bytes": 16 << 20, "mooncake_timeout_s": 2.0,
+        "mooncake_connect_timeout_s": 1.0, "device_copies": "drop"})
+    for i, d in enumerate(docs):
+        _serve(a, f"a{i}", d)
+    assert a.offload.totals.data["blocks_to_mooncake"] == 2 * 6 * 4
+    assert a.offload.cpu.device_copies.num_dropped > 0
+    a.assert_idle()
+    b = _engine(make_engine, master.address, sliding_window=32)
+    for i, d in enumerate(docs):
+        _serve(b, f"b{i}", d)
+        assert b.outputs[f"b{i}"] == a.outputs[f"a{i}"]
+        assert b.cached_tokens[f"b{i}"] == 4 * BS
+    b.assert_idle()

@@ -1,0 +1,187 @@
+"""The device cache and the CPU tier as one cache (``device_copies``).
+
+On vLLM's real scheduler with the model that checks every KV read
+(``engine_harness.py``): with ``drop`` the CPU tier evicts its copies of blocks
+the device holds before blocks only it holds, a block whose copy was dropped is
+stored again before the device evicts it, and where the device evicts faster
+than that, the block is recomputed, never read wrong. ``keep`` (inclusive tiers,
+as before) is the control.
+"""
+
+import random
+
+import pytest
+
+from support import backend_doubles  # noqa: F401 (registers the doubles)
+
+BS = 16
+DOC_BLOCKS = 4
+# Prefill chunks of 2 blocks: the device's evictions per step stay within its
+# eviction window (2 steps of allocations, 4 blocks), as the design assumes.
+CHUNK = dict(max_num_batched_tokens=2 * BS)
+# 7 documents (28 blocks) on a device of 19 usable blocks and a CPU tier of 20.
+TIGHT = dict(num_gpu_blocks=20, cpu_blocks=21, **CHUNK)
+# 8 documents (32 blocks) on a device of 29 usable blocks and a CPU tier of 24:
+# neither holds them, both together do (while a load of 5 blocks is allocated and
+# 4 more are the device's eviction window).
+ROOMY = dict(num_gpu_blocks=30, cpu_blocks=25, **CHUNK)
+
+
+def _docs(n, seed=0):
+    rng = random.Random(seed)
+    # One token past the last full block: every block of a document can be hit.
+    return [[rng.randrange(1, 90) for _ in range(DOC_BLOCKS * BS + 1)] for _ in range(n)]
+
+
+def _hashes(pool):
+    return {b.block_hash for b in pool.blocks if b.block_hash is not None}
+
+
+class Tiers:
+    """Steps the engine and watches both tiers after every step: a block the CPU
+    tier let go of while the device held it is *pending* until the CPU tier holds
+    it again (restored) or the device evicts it too (lost)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.cpu = engine.offload.cpu.pool
+        self.device = engine.scheduler.kv_cache_manager.block_pool
+        self.pending: set = set()
+        self.restored: set = set()
+        self.lost: set = set()
+        self._before = (_hashes(self.cpu), _hashes(self.device))
+
+    def step(self):
+        self.engine.step()
+        cpu, device = _hashes(self.cpu), _hashes(self.device)
+        cpu_before, device_before = self._before
+        for h in (cpu_before & device_before) - cpu:
+            (self.pending if h in device else self.lost).add(h)
+        for h in list(self.pending):
+            if h in cpu:
+                self.pending.discard(h)
+                self.restored.add(h)
+            elif h not in device:
+                self.pending.discard(h)
+                self.lost.add(h)
+        self._before = (cpu, device)
+
+    def run(self, max_steps=2000):
+        for _ in range(max_steps):
+            if not (self.engine.scheduler.has_requests()
+                    or self.engine.offload.has_pending_transfers()):
+                return
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def held(self, request):
+        """Full blocks of ``request``'s prompt in (CPU tier, device)."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        keys = [make_block_hash_with_group_id(h, 0) for h in request.block_hashes]
+        cpu, device = _hashes(self.cpu), _hashes(self.device)
+        return sum(k in cpu for k in keys), sum(k in device for k in keys)
+
+
+def _one_at_a_time(engine, tiers, docs, tag):
+    requests = []
+    for i, d in enumerate(docs):
+        requests.append(engine.add(f"{tag}{i}", d, max_tokens=2))
+        tiers.run()
+    return requests
+
+
+def _hit_blocks(engine, requests):
+    return [engine.cached_tokens[r.request_id] // BS for r in requests]
+
+
+@pytest.mark.parametrize("mode, eviction", [
+    ("drop", "lru"), ("drop", "adaptive"), ("drop_stored", "lru"), ("keep", "lru")])
+def test_copies_of_device_blocks_are_dropped_from_the_cpu_tier_first(make_engine, mode,
+                                                                       eviction):
+    """7 documents, one at a time: the device keeps the last ones, the CPU tier
+    cannot keep them all. ``drop``: what it lets go of are copies of blocks the
+    device holds, whatever the eviction policy, so every document is in one tier
+    or the other. ``keep``: LRU drops the first documents, which only the CPU tier
+    held."""
+    engine = make_engine(**TIGHT, extra_config={"device_copies": mode, "eviction": eviction})
+    tiers = Tiers(engine)
+    requests = _one_at_a_time(engine, tiers, _docs(7), "a")
+    held = [tiers.held(r) for r in requests]
+    assert held[0][1] == held[1][1] == 0  # the device let go of the first two long ago
+    dropped = engine.offload.cpu.device_copies.num_dropped
+    if mode == "keep":
+        assert dropped == 0
+        assert held[0][0] < DOC_BLOCKS  # in neither tier now
+    else:
+        assert dropped > 0
+        assert all(max(cpu, device) == DOC_BLOCKS for cpu, device in held), held
+        assert not tiers.lost
+    engine.assert_idle()
+
+
+@pytest.mark.parametrize("mode", ["drop", "keep"])
+def test_a_dropped_copy_is_stored_again_before_the_device_evicts_it(make_engine, mode):
+    """8 documents read twice, one at a time. ``drop``: every block the CPU tier
+    let go of while the device held it is in the CPU tier again before the device
+    evicts it, and the second pass finds every document; ``keep`` loses some."""
+    engine = make_engine(**ROOMY, extra_config={"device_copies": mode})
+    tiers = Tiers(engine)
+    docs = _docs(8)
+    _one_at_a_time(engine, tiers, docs, "a")
+    hits = _hit_blocks(engine, _one_at_a_time(engine, tiers, docs, "b"))
+    if mode == "keep":
+        assert tiers.lost
+        assert min(hits) < DOC_BLOCKS
+    else:
+        assert tiers.restored and not tiers.lost
+        assert hits == [DOC_BLOCKS] * len(docs)
+        stored = engine.offload.totals.data["blocks_stored"]
+        assert stored >= len(docs) * DOC_BLOCKS + len(tiers.restored)
+    engine.assert_idle()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "slow-cpu"])
+def test_blocks_the_device_evicts_before_they_are_stored_again_are_recomputed(
+        make_engine, backend):
+    """The second pass arrives at once: the device allocates for several loads in
+    one step and evicts blocks whose CPU copies were dropped before any store can
+    take them (with ``slow-cpu`` the stores also stay in flight for several steps).
+    Those blocks are recomputed; every read is checked; nothing stays pinned."""
+    engine = make_engine(backend, **ROOMY, extra_config={"device_copies": "drop"})
+    tiers = Tiers(engine)
+    docs = _docs(8)
+    _one_at_a_time(engine, tiers, docs, "a")
+    burst = [engine.add(f"b{i}", d, max_tokens=2) for i, d in enumerate(docs)]
+    tiers.run()
+    assert tiers.lost  # the device was faster
+    hits = _hit_blocks(engine, burst)
+    assert min(hits) < DOC_BLOCKS  # so those documents were computed again
+    assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()
+
+
+@pytest.mark.parametrize("mode", ["drop", "drop_stored"])
+def test_with_a_disk_tier_and_two_kv_cache_groups_every_block_is_written_and_comes_back(
+        make_engine, tmp_path, mode):
+    """A sliding-window group next to full attention, a CPU tier smaller than the
+    device and a disk tier behind: copies dropped from the CPU tier were written
+    through first (each (group, block) once; the tier serves them, so they are not
+    stored again), and the second pass finds every document."""
+    page = BS * 128
+    engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=12, **CHUNK,
+                         extra_config={
+        "device_copies": mode, "disk_path": str(tmp_path / "kv"),
+        "disk_bytes_to_use": 400 * page})
+    docs = _docs(6)
+    for tag in "ab":
+        for i, d in enumerate(docs):
+            engine.add(f"{tag}{i}", d, max_tokens=2)
+            engine.run_until_done()
+            engine.drain()
+    totals = engine.offload.totals.data
+    assert engine.offload.cpu.device_copies.num_dropped > 0
+    assert totals["blocks_to_disk"] == 2 * len(docs) * DOC_BLOCKS  # both groups, once each
+    assert [engine.cached_tokens[f"b{i}"] for i in range(len(docs))] == [DOC_BLOCKS * BS] * 6
+    engine.assert_idle()
