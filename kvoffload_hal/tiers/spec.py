@@ -78,6 +78,10 @@ class SchedulerHalf:
     # A tier shared across instances: how long a request waits for an existence
     # query or a read before it recomputes; also the circuit breaker's first window.
     wait_s: float = 2.0
+    # A tier shared across instances that does not evict by itself (a disk every
+    # instance writes its own files into): the entries the scheduler evicts are
+    # deleted by the worker, from what this instance wrote only.
+    deletes_evicted: bool = False
 
 
 @dataclass(frozen=True)

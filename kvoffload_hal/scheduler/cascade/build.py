@@ -41,7 +41,8 @@ def build_cascade(spec: TierSpec | None, runs: bool, kv_cache_config: KVCacheCon
         return NullCascade()
     names = TierNames(spec.name, spec.display_name())
     if spec.shared_across_instances:
-        return SharedTierCascade(SharedTierIndex(half.capacity_blocks), cpu, world_size,
-                                 stats, half.wait_s, names=names)
+        index = SharedTierIndex(half.capacity_blocks, deletes_evicted=half.deletes_evicted)
+        return SharedTierCascade(index, cpu, world_size, stats, half.wait_s, names=names,
+                                 rebuild=half.rebuild)
     return TierCascade(TierIndex(half.capacity_blocks), cpu, world_size, stats,
                        rebuild=half.rebuild, names=names)

@@ -7,8 +7,9 @@ other instances wrote, and loses objects the master evicts. So:
 
 * :class:`SharedTierIndex` is what this instance *knows* the store holds: its
   own writes, and keys an existence query found. Forgetting an entry deletes
-  nothing (other instances may read it); a stale entry only makes one read
-  fail, and that block is recomputed.
+  nothing (other instances may read it; a store that does not evict by itself,
+  a shared disk, deletes what this instance wrote: ``deletes_evicted``); a stale
+  entry only makes one read fail, and that block is recomputed.
 * :class:`SharedTierCascade` asks the store when a lookup misses the CPU tier
   and the index knows nothing of the next blocks: it queues an **existence
   query** (a probe job, run by the workers, which hold the store clients; the
@@ -56,8 +57,16 @@ if TYPE_CHECKING:
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
 
+@dataclass
 class SharedTierIndex(TierIndex):
-    """What this instance knows a shared store holds; see the module docstring."""
+    """What this instance knows a shared store holds; see the module docstring.
+
+    ``deletes_evicted``: the store does not evict by itself (a shared disk), so the
+    entries forgotten here go to the workers, which delete only files this
+    instance wrote (a key another instance wrote has no file of this one's).
+    """
+
+    deletes_evicted: bool = False
 
     def learn(self, keys: Iterable[BlockKey]) -> None:
         """Keys an existence query found: readable now."""
@@ -71,6 +80,8 @@ class SharedTierIndex(TierIndex):
             self._entries[key] = _Entry(self.generation, ready=True)
 
     def take_evicted(self) -> list[BlockKey]:
+        if self.deletes_evicted:
+            return super().take_evicted()
         self._evicted = []  # forgotten here, kept in the store for the others
         return []
 
@@ -93,8 +104,9 @@ class SharedTierCascade(TierCascade):
     def __init__(self, index: SharedTierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 names: TierNames = TierNames()) -> None:
-        super().__init__(index, cpu, world_size, stats, names=names)
+                 names: TierNames = TierNames(), rebuild: bool = False) -> None:
+        """``rebuild``: the workers report blocks kept from before a restart."""
+        super().__init__(index, cpu, world_size, stats, rebuild=rebuild, names=names)
         self.timeout_s = timeout_s
         self.read_wait_s = timeout_s  # staged hits' reads too
         self._clock = clock

@@ -12,6 +12,10 @@ key                    default     meaning
 ``disk_retention``     ``keep``    ``keep``: blocks outlive the server; a restarted
                                    server with the same fingerprint finds them.
                                    ``remove``: a clean shutdown removes them
+``disk_shared``        ``false``   also read the blocks other running engines with
+                                   the same fingerprint wrote under ``disk_path``
+                                   (the data-parallel ranks of a host): lookups
+                                   that miss ask the workers whether a file exists
 =====================  ==========  =================================================
 
 Writes still in flight when an engine goes idle or stops get ``shutdown_flush_timeout_s``
@@ -22,6 +26,12 @@ rank, and rebuilds its index from the kept directory after a restart, before the
 request (the workers list it and hand the keys over at start-up); the worker half is
 :class:`~kvoffload_hal.tiers.disk.worker.DiskTier`, one private directory per
 rank. Models with several KV cache groups keep one file per (group, block).
+
+With ``disk_shared`` the scheduler half is that of a tier shared across instances
+(``scheduler/cascade/shared.py``: an existence query before a hit on blocks it did
+not write, bounded waits, the circuit breaker), except that the blocks it evicts
+are deleted, from its own directory only: each engine bounds its own files, and
+the engines on one ``disk_path`` hold at most the sum of their shares there.
 """
 
 from __future__ import annotations
@@ -48,6 +58,11 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 RETENTIONS = ("keep", "remove")
+# With disk_shared: the longest a request waits for an existence query or a read
+# before it recomputes (and the circuit breaker's first window). A local disk
+# answers in milliseconds; this only bounds a hung one, as the CPU tier's own
+# wait for room does (scheduler/cascade/tier_cascade.py: MAX_ROOM_WAIT_S).
+SHARED_WAIT_S = 10.0
 
 
 class DiskTierSpec(TierSpec):
@@ -55,23 +70,29 @@ class DiskTierSpec(TierSpec):
     label = "disk tier"
     one_group_only = False  # one entry per (group, block): scheduler/cascade/groups.py
     switch_key = "disk_path"
-    keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct", "disk_retention")
+    keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct", "disk_retention",
+            "disk_shared")
 
     def __init__(self, path: str, bytes_to_use: int, o_direct: bool = False,
-                 retention: str = "keep") -> None:
+                 retention: str = "keep", shared: bool = False) -> None:
         self.path = path
         self.bytes_to_use = bytes_to_use
         self.o_direct = o_direct
         self.keep = retention == "keep"
+        # Per instance: the scheduler then builds a shared tier's cascade, and
+        # vLLM's sleep mode is refused (peers keep serving pre-sleep blocks).
+        self.shared_across_instances = shared
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> DiskTierSpec | None:
         o_direct = boolean("disk_o_direct", extra.get("disk_o_direct", False))
         retention = one_of("disk_retention", extra.get("disk_retention", "keep"),
                            RETENTIONS)
+        shared = boolean("disk_shared", extra.get("disk_shared", False))
         path = extra.get("disk_path")
         if path is None:
-            for key in ("disk_bytes_to_use", "disk_o_direct", "disk_retention"):
+            for key in ("disk_bytes_to_use", "disk_o_direct", "disk_retention",
+                        "disk_shared"):
                 if extra.get(key) not in (None, False):
                     raise ValueError(f"kv_connector_extra_config['{key}'] is set but "
                                      "'disk_path' is not: expected both for a disk tier")
@@ -82,7 +103,7 @@ class DiskTierSpec(TierSpec):
                              "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
         bytes_to_use = positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
         _check_writable_dir(path)
-        return cls(path, bytes_to_use, o_direct, retention)
+        return cls(path, bytes_to_use, o_direct, retention, shared)
 
     def capacity_claims(self, world_size: int) -> list[CapacityClaim]:
         return [CapacityClaim("disk_bytes_to_use", self.bytes_to_use // max(1, world_size),
@@ -91,8 +112,11 @@ class DiskTierSpec(TierSpec):
     def scheduler_half(self, ctx: SchedulerTierContext) -> SchedulerHalf:
         blocks = ctx.blocks_for("disk_bytes_to_use",
                                 self.bytes_to_use // max(1, ctx.world_size))
-        logger.info("HALOffloadConnector: disk tier of %d blocks at %s", blocks, self.path)
-        return SchedulerHalf(blocks, rebuild=True)
+        logger.info("HALOffloadConnector: disk tier of %d blocks at %s%s", blocks, self.path,
+                    ", shared with the engines of the same fingerprint there"
+                    if self.shared_across_instances else "")
+        return SchedulerHalf(blocks, rebuild=True, wait_s=SHARED_WAIT_S,
+                             deletes_evicted=True)
 
     def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:
         from kvoffload_hal.tiers.disk.worker import DiskTier
@@ -105,7 +129,7 @@ class DiskTierSpec(TierSpec):
                 logger.warning("%s; the blocks of earlier servers are removed", warning)
             keep = False
         return DiskTier(self.path, ctx.rank, ctx.host_views, self.o_direct, ctx.fingerprint,
-                        keep=keep)
+                        keep=keep, shared=self.shared_across_instances)
 
 
 def _absolute_dir(value: Any) -> str:

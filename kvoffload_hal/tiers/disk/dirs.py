@@ -113,7 +113,7 @@ def _adoptable(disk_path: str, fingerprint: bytes) -> str | None:
         return None
     best: tuple[int, str] | None = None
     for entry in os.scandir(disk_path):
-        if not _is_stale(entry) or _read_private(os.path.join(entry.path, FINGERPRINT)) \
+        if not _is_stale(entry) or read_private(os.path.join(entry.path, FINGERPRINT)) \
                 != fingerprint.hex():
             continue
         mtime = os.stat(os.path.join(entry.path, MARKER), follow_symlinks=False).st_mtime_ns
@@ -169,7 +169,7 @@ def _write_private(path: str, text: str) -> None:
         f.write(text)
 
 
-def _read_private(path: str) -> str | None:
+def read_private(path: str) -> str | None:
     """A small file the tier wrote, or None (missing, a link, unreadable)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)

@@ -14,6 +14,12 @@ sees a whole file or none; the temporary is removed on every error, and short
 writes are errors. A write still running when shutdown stops waiting for writes
 (``shutdown_flush_timeout_s``) removes its temporary instead of renaming it.
 
+Sharing (``disk_shared``): a read whose key this worker's directory lacks goes
+on to the directories of the other engines with the same fingerprint under
+``disk_path`` (:mod:`~kvoffload_hal.tiers.disk.peers`), checked the same way, and
+the tier answers existence queries (:meth:`_probe_batch`) over all of them. It
+still writes and deletes only in its own directory.
+
 Restarts (``keep``, the default retention): a server adopts a stopped server's
 directory written with its own fingerprint, and lists its blocks
 (:mod:`~kvoffload_hal.tiers.disk.rebuild`) for the scheduler's index before the
@@ -40,6 +46,7 @@ from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
 from kvoffload_hal.tiers.disk.dirs import DIR_MODE, FILE_MODE, TierDir
+from kvoffload_hal.tiers.disk.peers import PeerDirs, is_block_file, open_block
 from kvoffload_hal.tiers.disk.rebuild import DirScan
 from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
 from kvoffload_hal.tiers.spec import BlockKey, TierItem
@@ -60,10 +67,11 @@ class DiskTier(PooledTier):
 
     def __init__(self, root: str, rank: int, host_views: Sequence[torch.Tensor],
                  o_direct: bool = False, fingerprint: bytes = bytes(FINGERPRINT_BYTES),
-                 keep: bool = False) -> None:
+                 keep: bool = False, shared: bool = False) -> None:
         """``host_views``: one uint8 ``[num_cpu_blocks, block_bytes]`` view per host region;
         ``fingerprint``: what the blocks' bytes depend on (:mod:`~kvoffload_hal.tiers.identity`);
-        ``keep``: the blocks outlive this server (adopt a predecessor's, keep ours)."""
+        ``keep``: the blocks outlive this server (adopt a predecessor's, keep ours);
+        ``shared``: also read the blocks of other engines with this fingerprint."""
         self.views = list(host_views)
         self.payload_bytes = sum(v.shape[1] for v in self.views)
         self.format = BlockValueFormat(MAGIC, FORMAT_VERSION, fingerprint, self.payload_bytes)
@@ -72,6 +80,7 @@ class DiskTier(PooledTier):
         # Private, locked while this tier runs: a predecessor's (keep) or a new one.
         self._dir = TierDir(root, rank, fingerprint, adopt=keep)
         self.root = self._dir.path
+        self.peers = PeerDirs(root, self.root, fingerprint) if shared else None
         self._scan = DirScan(self.root) if self._dir.adopted else None
         self._scan_over = False
         super().__init__()
@@ -82,6 +91,20 @@ class DiskTier(PooledTier):
 
     def _load_batch(self, items: list[TierItem]) -> Iterable[BlockKey]:
         return [k for k, b in items if self._read(k, b) is not None]
+
+    def _probe_batch(self, items: list[TierItem]) -> Iterable[BlockKey]:
+        """The keys neither this worker's directory nor a peer's holds now."""
+        return [k for k, _ in items if not self._holds(k)]
+
+    def submit_probe(self, job_id: int, keys: Sequence[BlockKey]) -> None:
+        # One call for the whole query: a lookup of a few stats per key, which must
+        # not queue a call per key ahead of the reads.
+        self._jobs[job_id] = [self._pool.submit(self._guarded, self._probe_batch,
+                                                [(k, -1) for k in keys])]
+
+    def _holds(self, key: BlockKey) -> bool:
+        return is_block_file(self._path(key)) or (self.peers is not None
+                                                  and self.peers.holds(key))
 
     def _forget(self, keys: list[BlockKey]) -> None:
         for key in keys:
@@ -143,7 +166,7 @@ class DiskTier(PooledTier):
             return _failed(key, "reading", e)
 
     def _read_into(self, key: BlockKey, cpu_block: int) -> BlockKey | None:
-        data = memoryview(self._read_file(self._path(key)))
+        data = memoryview(self._read_block(key))
         key_len, length = self.format.lengths(data) if len(data) >= HEADER.size else (0, 0)
         stored_key = data[HEADER.size:HEADER.size + key_len]
         payload = data[HEADER.size + key_len:HEADER.size + key_len + length]
@@ -182,20 +205,28 @@ class DiskTier(PooledTier):
             if written != size:  # a full disk, a quota: never count a truncated file
                 raise OSError(errno.ENOSPC, f"short write: {written} of {size} bytes")
 
-    def _read_file(self, path: str) -> bytearray:
+    def _read_block(self, key: BlockKey) -> bytearray:
+        """The bytes of ``key``'s file: this worker's own, else (shared) a peer's."""
+        flags = os.O_DIRECT if self.o_direct else 0
+        try:
+            fd = open_block(self.root, key, flags)
+        except FileNotFoundError:
+            if self.peers is None:
+                raise
+            fd = self.peers.open(key, flags)
+        try:
+            return self._read_fd(fd)
+        finally:
+            os.close(fd)
+
+    def _read_fd(self, fd: int) -> bytearray:
+        size = os.fstat(fd).st_size
         if not self.o_direct:
-            with open(path, "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                return data[:f.readinto(data)]
-        size = os.stat(path).st_size
+            data = bytearray(size)
+            return data[:os.readv(fd, [data])] if size else data
         aligned = max(DIRECT_IO_ALIGN, -(-size // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN)
         with mmap.mmap(-1, aligned) as buf:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            try:
-                n = os.readv(fd, [buf])
-            finally:
-                os.close(fd)
-            return bytearray(buf[:n])
+            return bytearray(buf[:os.readv(fd, [buf])])
 
 
 def _failed(key: BlockKey, doing: str, error: Exception) -> BlockKey:

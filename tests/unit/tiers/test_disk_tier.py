@@ -174,7 +174,7 @@ def test_any_fault_in_a_tier_job_fails_its_key_not_the_step(tier, monkeypatch, e
     def broken(*args):
         raise error("injected")
 
-    monkeypatch.setattr(tier, "_read_file", broken)
+    monkeypatch.setattr(tier, "_read_block", broken)
     monkeypatch.setattr(tier, "_write_file", broken)
     tier.submit_load(1, [("dd04", 2)])
     tier.submit_store(2, [("ee05", 3)])
@@ -188,7 +188,7 @@ def test_shutdown_with_hung_io_returns_within_its_timeout(tmp_path, monkeypatch)
 
     tier = DiskTier(str(tmp_path), 0, [torch.ones(2, 64, dtype=torch.uint8)])
     release = threading.Event()
-    monkeypatch.setattr(tier, "_read_file", lambda path: release.wait() and b"")  # a hung mount
+    monkeypatch.setattr(tier, "_read_block", lambda key: release.wait() and b"")  # a hung mount
     tier.submit_load(0, [("ab01", 0)])
     start = time.monotonic()
     assert tier.shutdown(timeout_s=0.2) is False  # the caller keeps the host memory alive
