@@ -12,7 +12,10 @@ its own server, one after the other:
 * ``no sharing``: the connector with a CPU tier on each rank; rank 1 has seen none
   of the documents and computes them;
 * ``mooncake``: plus the Mooncake tier, both ranks on one local ``mooncake_master``
-  (TCP, loopback): rank 1 reads what rank 0 stored.
+  (TCP, loopback): rank 1 reads what rank 0 stored;
+* ``shared /dev/shm disk``: instead, a disk tier both ranks share (``disk_shared``) in
+  a fresh private directory under ``/dev/shm``, no master: rank 1 reads the files rank
+  0 wrote.
 
 Prints a table and writes ``docs/benchmarks/dp_sharing.{md,png}``.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,20 +42,24 @@ from kvoffload_hal.demo.inprocess import CONNECTOR  # noqa: E402
 from kvoffload_hal.selfcheck.environment import cpu_model  # noqa: E402
 
 OUT = HERE.parent / "docs" / "benchmarks" / "dp_sharing.md"
-CONFIGS = ("no sharing", "mooncake")
+CONFIGS = ("no sharing", "mooncake", "shared /dev/shm disk")
+WRITTEN = {"mooncake": "blocks_to_mooncake", "shared /dev/shm disk": "blocks_to_disk"}
 ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "PYTHONHASHSEED": "0"}
 
 
-def transfer_config(num_blocks: int, master: str | None) -> dict:
+def transfer_config(num_blocks: int, master: str | None, disk: str | None = None) -> dict:
     extra = {"cpu_bytes_to_use": 2 * num_blocks * block_bytes(MODEL)}
     if master is not None:
         extra.update(mooncake_master=master, mooncake_required=True,
                      mooncake_segment_bytes=max(16 << 20, 2 * num_blocks * block_bytes(MODEL)))
+    if disk is not None:
+        extra.update(disk_path=disk, disk_bytes_to_use=2 * num_blocks * block_bytes(MODEL),
+                     disk_shared=True, disk_retention="remove")
     return {"kv_connector": CONNECTOR, "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
-def start(model: str, log: Path, args, master: str | None):
+def start(model: str, log: Path, args, master: str | None, disk: str | None = None):
     from support.openai_server import Server
 
     num_blocks = args.num_documents * (args.document_length // 32 + 1)
@@ -59,7 +67,7 @@ def start(model: str, log: Path, args, master: str | None):
                     extra_args=["--data-parallel-size", "2", "--dtype", "bfloat16",
                                 "--max-model-len", str(args.document_length + 64),
                                 "--kv-transfer-config",
-                                json.dumps(transfer_config(num_blocks, master))])
+                                json.dumps(transfer_config(num_blocks, master, disk))])
     server.wait_ready()
     return server
 
@@ -82,13 +90,14 @@ def ask(client, model: str, prompt: list[int], rank: int) -> tuple[float, int, i
     return ttft, usage.prompt_tokens, usage.prompt_tokens - cached
 
 
-def store_settled(server, engine: int, timeout_s: float = 120) -> float:
-    """Blocks rank ``engine`` wrote to the store, once that count stops growing."""
+def store_settled(server, engine: int, counter: str, timeout_s: float = 120) -> float:
+    """Blocks rank ``engine`` wrote to the tier (``counter``), once that count stops
+    growing."""
     from support.mooncake_server import Probe
 
     probe, last, deadline = Probe(server), -1.0, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        now = probe.counters(engine).get("blocks_to_mooncake", 0)
+        now = probe.counters(engine).get(counter, 0)
         if now == last:
             return now
         last = now
@@ -100,15 +109,18 @@ def measure(config: str, model: str, docs: list[list[int]], args, tmp: Path) -> 
     from support.mooncake_master import MooncakeMaster
 
     master = MooncakeMaster(str(tmp / "master.log")).start() if config == "mooncake" else None
+    # A fresh private directory in memory, as the ranks of a host would share it.
+    shm = tempfile.mkdtemp(prefix="kvoffload-dp-", dir="/dev/shm") if "disk" in config \
+        else None
     server = None
     try:
-        server = start(model, tmp / f"{config.replace(' ', '-')}.log", args,
-                       master.address if master else None)
+        server = start(model, tmp / f"{config.replace(' ', '-').replace('/', '')}.log", args,
+                       master.address if master else None, shm and f"{shm}/kv")
         client = server.client()
         for rank in (0, 1):  # warm both ranks up
             ask(client, model, [7, 8, 9], rank)
         first = [ask(client, model, d, 0) for d in docs]
-        written = store_settled(server, 0) if master else 0
+        written = store_settled(server, 0, WRITTEN[config]) if config in WRITTEN else 0
         second = [ask(client, model, d, 1) for d in docs]
         return {"config": config, "written_blocks": written,
                 "prompt_tokens": sum(p for _, p, _ in second),
@@ -121,6 +133,8 @@ def measure(config: str, model: str, docs: list[list[int]], args, tmp: Path) -> 
             server.kill()
         if master is not None:
             master.stop()
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
 
 
 def table(rows: list[dict], args) -> str:
@@ -175,9 +189,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(c, model, docs, args, Path(tmp)) for c in CONFIGS]
     text = (f"CPU: {cpu_model()}; load average (1 min) {load_before:.1f} at the start, "
-            f"{os.getloadavg()[0]:.1f} at the end\n\n" + table(rows, args) +
-            "\nA shared `/dev/shm` disk tier column comes with disk tiers that data-parallel "
-            "ranks share.\n")
+            f"{os.getloadavg()[0]:.1f} at the end\n\n" + table(rows, args))
     print(text)
     if args.no_write:
         return
