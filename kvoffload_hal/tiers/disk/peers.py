@@ -81,14 +81,20 @@ class PeerDirs:
     def paths(self) -> tuple[str, ...]:
         """The peers' directories, listed again when the list is older than
         :data:`RESCAN_S` (by whichever IO thread asks first)."""
-        now = time.monotonic()
-        if now - self._listed_at > RESCAN_S and self._lock.acquire(blocking=False):
+        # The first listing is waited for; a later one is made by the thread that
+        # asks first, the others using the list it replaces.
+        never = self._listed_at == float("-inf")
+        if self._stale() and self._lock.acquire(blocking=never):
             try:
-                self._paths = tuple(self._list())
-                self._listed_at = now
+                if self._stale():  # not listed by another thread meanwhile
+                    self._paths = tuple(self._list())
+                    self._listed_at = time.monotonic()
             finally:
                 self._lock.release()
         return self._paths
+
+    def _stale(self) -> bool:
+        return time.monotonic() - self._listed_at > RESCAN_S
 
     def holds(self, key: str) -> bool:
         """Whether some peer's directory holds a file for ``key`` now."""
