@@ -156,7 +156,7 @@ def write_plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.4))
-    names = [r["config"] for r in rows]
+    names = [r["config"].replace("shared ", "shared\n") for r in rows]
     x = range(len(rows))
     left.bar([i - 0.2 for i in x], [statistics.fmean(r["rank0_ttft"]) for r in rows], 0.4,
              label="rank 0 (first)", color="tab:gray")
