@@ -30,7 +30,10 @@ PROMPT = [(i * 7) % 89 + 1 for i in range(6 * BS + 1)]
 
 
 @pytest.fixture
-def master(tmp_path):
+def master(tmp_path, monkeypatch):
+    # Engines that share the store must name blocks alike: one block-hash seed for all
+    # (vLLM 0.23 draws a random one per engine otherwise).
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
     with MooncakeMaster(str(tmp_path / "master.log")) as m:
         yield m
 
