@@ -63,6 +63,9 @@ __all__ = [  # the duel's vocabulary, with the policy it serves
 HISTORY_FACTOR = 8
 # The class of a block that ends a prompt exactly and was not loaded since.
 PROMPT_END = 4
+# Prompt ends kept ahead of every other block at the head of the free queue: each
+# release that puts blocks at the head moves them there again, so few.
+MAX_ENDS_AT_HEAD = 64
 
 
 class AdaptiveEviction(Eviction):
@@ -84,8 +87,9 @@ class AdaptiveEviction(Eviction):
         self.history = RecentHashes(HISTORY_FACTOR * num_blocks)
         self.duel = Duel(candidates, num_blocks)
         self._to_head = HeadPlacements()
-        # Block id -> block: prompt ends released while the tier had room.
-        self._ends_later: dict[int, KVCacheBlock] = {}
+        # Block id -> block: prompt ends released (kept at the head of the free
+        # queue, or waiting for the tier to fill), oldest first.
+        self._ends: dict[int, KVCacheBlock] = {}
 
     def on_loaded(self, blocks: Sequence[KVCacheBlock]) -> None:
         if self.trace is not None:
@@ -130,36 +134,39 @@ class AdaptiveEviction(Eviction):
         blocks = blocks[::-1]
         self.pool.free_blocks(blocks)
         classes = self._classes
-        ends = [b for b in blocks if classes[b.block_id] == PROMPT_END and not b.ref_cnt]
+        new_ends = False
+        for b in blocks:
+            if classes[b.block_id] == PROMPT_END and not b.ref_cnt:
+                self._ends[b.block_id] = b
+                new_ends = True
         head = self.pool.free_block_queue.fake_free_list_head.next_free_block
         # Blocks without a hash at the head: the tier still has room, nothing is
         # evicted yet, and a block put before them would be the first to go.
         # Prompt ends wait for the tier to fill.
         if head is None or head.block_hash is None:
-            self._ends_later.update((b.block_id, b) for b in ends)
             return
-        front = self._from_later()
-        placements = self.duel.best()[1:] + (HEAD,)  # by class, PROMPT_END last
-        if placements.count(TAIL) < PROMPT_END or ends:  # else vLLM's order: the tail
+        placements = self.duel.best()[1:]  # by class
+        front = []
+        if placements.count(TAIL) < len(placements):  # else vLLM's order: the tail
             to_head = self._to_head
-            front += [b for b in blocks if not b.ref_cnt and b.block_hash is not None
-                      and (placement := placements[classes[b.block_id]]) is not TAIL
-                      and to_head(placement)]
-        if front:
-            front = list({b.block_id: b for b in front}.values())  # a block once
+            front = [b for b in blocks if not b.ref_cnt and b.block_hash is not None
+                     and classes[b.block_id] != PROMPT_END
+                     and (placement := placements[classes[b.block_id]]) is not TAIL
+                     and to_head(placement)]
+        if front or new_ends:
+            # Prompt ends first, then the blocks the candidate sends to the head.
+            front = self._free_ends() + front
             queue = self.pool.free_block_queue
             for b in front:
                 queue.remove(b)
             queue.prepend_n(front)  # deepest first: it is the next one evicted
 
-    def _from_later(self) -> list[KVCacheBlock]:
-        """Prompt ends released while the tier had room, still in the free queue
-        with their hash and class: their turn to go to the head."""
-        if not self._ends_later:
-            return []
+    def _free_ends(self) -> list[KVCacheBlock]:
+        """The prompt ends still in the free queue with their hash and class, the
+        most recent :data:`MAX_ENDS_AT_HEAD` (older ones stay where they are)."""
         classes = self._classes
-        later = [b for b in self._ends_later.values()
-                 if not b.ref_cnt and b.block_hash is not None
-                 and classes[b.block_id] == PROMPT_END]
-        self._ends_later.clear()
-        return later
+        ends = [b for b in self._ends.values()
+                if not b.ref_cnt and b.block_hash is not None
+                and classes[b.block_id] == PROMPT_END][-MAX_ENDS_AT_HEAD:]
+        self._ends = {b.block_id: b for b in ends}
+        return ends
