@@ -16,9 +16,8 @@ Four engines run side by side for each ``N`` (same model, same prompts):
 4. ``prefix-cache-limit``: a device cache big enough for every document.
 
 With ``--same-batch-limit`` another engine runs: ``limit-at-8-seqs``, (4) with at
-most 8 requests in a batch, about what a device cache of 8 documents admits. It
-separates what the copies cost from what the small batches cost: (3) computes
-the same tokens as (4), but in several times more, smaller steps.
+most 8 requests in a batch (about what a device cache of 8 documents admits): what
+the small batches cost, apart from what the copies cost.
 
 With ``--disk`` a fifth engine runs: ``prefix-cache+offload+disk``, (3) plus a
 disk tier behind the CPU tier big enough for every document (write-through, so
@@ -26,8 +25,9 @@ the warm-up pass fills it). It matters where the working set outgrows the CPU
 tier: at 64 documents a CPU tier of 30 serves few hits in a random order.
 
 Engine (3) runs once per ``--eviction`` policy and ``--device-copies`` mode (the
-first of each is named ``prefix-cache+offload``, others
-``prefix-cache+offload[<policy>, <mode>]``). Its CPU tier records its block access
+first of each is named ``prefix-cache+offload``, others ``prefix-cache+offload[<policy>,
+<mode>]``; ``adaptive-no-ends``: ``adaptive`` without its rule for blocks that end a
+prompt, ``eviction_variants.py``). Its CPU tier records its block access
 trace; the eviction summary gives its hit blocks as a fraction of Belady's optimum
 on that trace, next to LRU's and vLLM's offloading policies' replays of it, and its
 computed tokens against the minimum (every prefix served from a cache). The
@@ -42,7 +42,8 @@ logging is enabled), prompt tokens served from a cache, and the connector's CPU
 tier hits. Prints a table and writes ``docs/benchmarks/long_doc_qa.{md,png}``.
 
     python benchmarks/long_doc_qa.py [--num-documents 16 32 64] [--document-length 256]
-                                     [--eviction adaptive lru] [--device-copies drop keep]
+                                     [--eviction adaptive adaptive-no-ends lru]
+                                     [--device-copies drop keep]
                                      [--repeats 1] [--disk [--disk-dir DIR]]
                                      [--same-batch-limit] [--quick]
 """
@@ -59,6 +60,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import eviction_variants  # noqa: F401  (registers adaptive-no-ends)
 from long_doc_qa_hierarchy import Admissions, hierarchy_table
 from long_doc_qa_report import (
     CONFIGS,

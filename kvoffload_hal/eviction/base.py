@@ -52,6 +52,13 @@ class Eviction:
         if self.trace is not None:
             self.trace.extend((h, False) for h in hashes)
 
+    def on_prompt_ends(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """``blocks``, just stored, each end a prompt exactly (its last token is the
+        prompt's last): a lookup of that prompt never reads it, since vLLM computes
+        a prompt's last token whatever is cached; only a longer prompt can (the next
+        turn of a chat, the request itself resumed after a preemption). Called
+        after :meth:`on_stored`."""
+
     def on_allocated(self, blocks: Iterable[KVCacheBlock]) -> None:
         """``blocks`` were just taken from the free queue (their old hashes evicted)."""
 

@@ -208,12 +208,18 @@ class CpuTier:
     def blocks(self, block_ids: Iterable[int]) -> list[KVCacheBlock]:
         return [self.pool.blocks[b] for b in block_ids]
 
-    def publish(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[Any]) -> None:
-        """Make each block findable under its hash; its bytes are already in place."""
+    def publish(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[Any],
+                prompt_ends: Collection[Any] = ()) -> None:
+        """Make each block findable under its hash; its bytes are already in place.
+        ``prompt_ends``: those of ``hashes`` that end a prompt exactly
+        (:meth:`Eviction.on_prompt_ends`)."""
         for block, block_hash in zip(blocks, hashes):
             # vLLM has no public "insert this hash" call (see vllm_compat).
             vllm_compat.insert_block_hash(self.pool, block_hash, block)
         self.eviction.on_stored(blocks, hashes)
+        if prompt_ends:
+            self.eviction.on_prompt_ends(
+                [b for b, h in zip(blocks, hashes) if h in prompt_ends])
         self.device_copies.note_stored(blocks)
         if self.emit_kv_events:
             self._queue_stored_events(hashes)

@@ -14,7 +14,7 @@ A device block, or a hash, with a store queued or sent is not picked again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.logger import init_logger
@@ -41,6 +41,7 @@ class _Store:
     gpu_ids: list[int]
     cpu_ids: list[int]
     hashes: list[Any]
+    prompt_ends: set[Any] = field(default_factory=set)  # see BlockPicker.prompt_ends
     abandoned: bool = False  # reset_cache() ran while in flight: do not publish
 
 
@@ -121,7 +122,8 @@ class StoreJobs:
         pin_ids(self._gpu_pool(), gpu_ids)
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)
-        self._queued.append(_Store(gpu_ids, [b.block_id for b in cpu_blocks], hashes))
+        self._queued.append(_Store(gpu_ids, [b.block_id for b in cpu_blocks], hashes,
+                                   picker.prompt_ends.intersection(hashes)))
 
     # ------------------------------------------------------- send, report
     def take_job(self) -> StoreSpec | None:
@@ -133,6 +135,7 @@ class StoreJobs:
             store.gpu_ids += queued.gpu_ids
             store.cpu_ids += queued.cpu_ids
             store.hashes += queued.hashes
+            store.prompt_ends |= queued.prompt_ends
         self._queued.clear()
         return StoreSpec(self._sent.send(store), store.gpu_ids, store.cpu_ids)
 
@@ -146,7 +149,7 @@ class StoreJobs:
             logger.warning("store job %d failed on a rank; %d blocks not offloaded",
                            job, len(cpu_blocks))
         elif not store.abandoned:
-            self.cpu.publish(cpu_blocks, store.hashes)
+            self.cpu.publish(cpu_blocks, store.hashes, store.prompt_ends)
             self.stats.record_store(len(cpu_blocks))
             self.cascade.on_published(cpu_blocks, store.hashes)
         self._release(store)

@@ -67,14 +67,18 @@ class BlockPicker:
         # Ids of kept blocks offered *again* (stored before, their copy since dropped):
         # the CPU tier need not make room for them at the expense of other copies.
         self.again: set[int] = set()
+        # Hashes of kept blocks that end their request's prompt exactly (see
+        # Eviction.on_prompt_ends): only a longer prompt can read them.
+        self.prompt_ends: set[Any] = set()
 
     @property
     def full(self) -> bool:
         return len(self.blocks) >= self.budget
 
-    def offer(self, block: KVCacheBlock, again: bool = False) -> None:
+    def offer(self, block: KVCacheBlock, again: bool = False, prompt_end: bool = False) -> None:
         """Keep ``block`` if it is hashed, new to this job and ``wanted``; ``again``:
-        it was offered before (see :attr:`again`)."""
+        it was offered before (see :attr:`again`); ``prompt_end``: its last token is
+        its request's last prompt token (see :attr:`prompt_ends`)."""
         h = block.block_hash
         if block.is_null or h is None or h in self._hashes or h in self.passed:
             return
@@ -87,6 +91,8 @@ class BlockPicker:
         self._hashes.add(h)
         if again:
             self.again.add(block.block_id)
+        if prompt_end:
+            self.prompt_ends.add(h)
 
 
 class StorePolicy(ABC):
@@ -280,12 +286,16 @@ class EagerPolicy(StorePolicy):
                picker: BlockPicker) -> None:
         assert self.gpu_pool is not None, "bind() was not called"
         blocks = self.gpu_pool.blocks
+        prompt_len = cursor.request.num_prompt_tokens
         for g in self.cacheable_groups:
             ids = block_ids[g]
             ready = self._num_ready(ids, g, confirmed_tokens)
             i = cursor.num_scanned[g]
+            # The block whose last token is the prompt's last one, if any.
+            prompt_end, rest = divmod(prompt_len, self.group_block_sizes[g])
+            prompt_end = prompt_end - 1 if rest == 0 else -1
             while i < ready and not picker.full:
-                picker.offer(blocks[ids[i]])
+                picker.offer(blocks[ids[i]], prompt_end=i == prompt_end)
                 i += 1
             cursor.num_scanned[g] = i
         cursor.next_boundary = min(

@@ -66,6 +66,48 @@ def test_blocks_of_one_release_go_deepest_first():
     assert _hit_blocks(lru, a, hashes) == 0  # vLLM's order takes A's first blocks
 
 
+def _store(tier, keys, hashes, ends=()):
+    """Store ``keys`` as a store job would; ``ends``: those that end a prompt exactly."""
+    block_hashes = [make_block_hash_with_group_id(hashes(k), 0) for k in keys]
+    blocks = tier.allocate(len(keys))
+    tier.publish(blocks, block_hashes, {block_hashes[keys.index(k)] for k in ends})
+    tier.unpin(blocks)
+    return blocks
+
+
+def _load(tier, keys, hashes):
+    hit, _ = tier.find_hit([hashes(k) for k in keys], 0, 1 << 30)
+    tier.pin_hit(hit)
+    tier.record_load([b.block_id for b in hit[0]])
+    tier.unpin_hit(hit)
+
+
+def test_blocks_that_end_a_prompt_go_first_once_the_tier_is_full():
+    """A and B end their prompts exactly: their last blocks are evicted before any
+    other, whatever the candidate (here vLLM's order), including A's, released while
+    the tier still had room. vLLM's LRU takes A's first blocks."""
+    for eviction, a_hits, b_hits in (("adaptive", 3, 3), ("lru", 0, 4)):
+        tier, hashes = _tier(8, eviction, [LRU_ORDER]), KeyHashes()
+        a, b, c = _chain(1, 4), _chain(2, 4), _chain(3, 2)
+        _store(tier, a, hashes, ends=a[-1:])
+        _store(tier, b, hashes, ends=b[-1:])
+        _store(tier, c, hashes)
+        assert (_hit_blocks(tier, a, hashes), _hit_blocks(tier, b, hashes)) == (a_hits, b_hits)
+
+
+def test_a_block_that_ends_a_prompt_is_an_ordinary_block_once_loaded():
+    """A longer prompt read it: it has a use, and goes where its class says (here
+    vLLM's order, which takes B, the older, first)."""
+    tier, hashes = _tier(8, candidates=[LRU_ORDER]), KeyHashes()
+    a, b = _chain(1, 4), _chain(2, 4)
+    _store(tier, b, hashes)
+    blocks = _store(tier, a, hashes, ends=a[-1:])
+    _load(tier, a, hashes)
+    assert tier.eviction.block_class(blocks[-1]) == REUSED
+    _store(tier, _chain(3, 2), hashes)
+    assert (_hit_blocks(tier, a, hashes), _hit_blocks(tier, b, hashes)) == (4, 2)
+
+
 def test_a_block_stored_again_after_an_unused_eviction_is_protected():
     """The history: H is evicted without a hit and stored again, so it was wanted
     twice; it then outlives the blocks stored once after it. Placed at the head

@@ -114,9 +114,9 @@ def test_lazy_window_is_two_steps_of_allocations_per_group():
     assert lazy_window_blocks(_config(full, window, mamba), 512) == 2 * (32 + 8 + 2)
 
 
-def _request(req_id, computed):
+def _request(req_id, computed, prompt=1 << 30):
     return SimpleNamespace(request_id=req_id, num_computed_tokens=computed,
-                           num_output_placeholders=0)
+                           num_output_placeholders=0, num_prompt_tokens=prompt)
 
 
 def _scheduled(req_id, new_block_ids):
@@ -132,13 +132,13 @@ def _hashed(pool, n):
     return blocks
 
 
-def _eager(num_blocks, computed):
+def _eager(num_blocks, computed, prompt=1 << 30):
     """A bound eager policy and request "r" holding ``num_blocks`` hashed device blocks."""
     pool = _pool()
     blocks = _hashed(pool, num_blocks)
     policy = EagerPolicy([BS], [0])
     policy.bind(pool)
-    req = _request("r", computed=computed)
+    req = _request("r", computed=computed, prompt=prompt)
     policy.on_allocated(req, 1)
     return pool, blocks, policy, req
 
@@ -155,6 +155,16 @@ def test_eager_offers_each_confirmed_full_block_once():
     picker = BlockPicker(100, _everything)
     policy.on_finished(req, ([b.block_id for b in blocks],), picker)
     assert picker.blocks == blocks[2:]  # the last blocks, from the final block table
+
+
+@pytest.mark.parametrize("prompt, end", [(3 * BS, 2), (3 * BS + 1, None), (BS, 0)])
+def test_eager_names_the_block_that_ends_the_prompt_exactly(prompt, end):
+    """Only a prompt that fills its last block has one: its own lookups never read it."""
+    pool, blocks, policy, req = _eager(4, computed=4 * BS, prompt=prompt)
+    picker = BlockPicker(100, _everything)
+    policy.select(_scheduled("r", ([b.block_id for b in blocks],)), picker)
+    assert picker.blocks == blocks
+    assert picker.prompt_ends == ({blocks[end].block_hash} if end is not None else set())
 
 
 def test_eager_offers_a_finished_requests_leftovers_while_the_device_holds_them():
