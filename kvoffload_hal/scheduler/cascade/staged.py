@@ -149,7 +149,7 @@ class StagedHits(RequestPart):
         # its end; otherwise the blocks a window or a state needs differ, and none is.
         n = cdiv(num_external_tokens, self.block_size)
         if n * self.block_size < staged.num_tokens and not self.cascade.groups.all_dense:
-            staged.fail_from(0, recompute_only=True)
+            staged.fail_from(0)
         first = staged.num_computed_tokens // self.block_size
         device = blocks.blocks
         # A null device block is one vLLM never reads (outside a window): not filled.
@@ -223,7 +223,7 @@ class StagedHits(RequestPart):
         staged.since = self._clock()
         self.cpu.unpin(blocks[n_ok:])
         if n_ok < len(part):
-            staged.fail_from(part[n_ok][0][0])  # a failed read: its key left the index
+            staged.fail_from(part[n_ok][0][0])
         ok = list(zip(blocks[:n_ok], (staged.gpu_ids[slot] for slot, _, _ in part)))
         self.loads.hold_busy(b.block_id for b, _ in ok)
         staged.ready += ok
@@ -251,8 +251,8 @@ class StagedHits(RequestPart):
         staged = self._active[job.req_id]
         staged.rounds -= 1
         self._release(job.cpu_blocks, ok)
-        if not ok:  # the workers report its blocks with the last round
-            staged.fail_from(0, recompute_only=True)
+        if not ok:
+            staged.fail_from(0)  # the workers report its blocks with the last round
 
     def _release(self, cpu_blocks: list[KVCacheBlock], ok: bool) -> None:
         ids = [b.block_id for b in cpu_blocks]
@@ -273,7 +273,7 @@ class StagedHits(RequestPart):
             if ok and staged.failed_at is None and not staged.aborted:
                 self.stats.record_load(len(staged.gpu_ids), staged.num_tokens)
                 self.stats.record_staged_hit()
-            elif not ok and (staged.recompute_only or staged.failed_at is None):
+            elif not ok:
                 self.loads.failed_requests.add(req_id)
             # A failure names blocks (then only those of this round were not copied) or
             # the request: then this round's blocks may be torn, and are dropped.

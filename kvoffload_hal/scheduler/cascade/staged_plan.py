@@ -51,10 +51,6 @@ class Staged:
     promoting: list[tuple[Slot, BlockKey, Any]] | None = None  # the part being promoted
     rounds: int = 0  # rounds sent and not reported
     failed_at: int | None = None  # the first position not served
-    # Ended in a way a retry would repeat (a failed copy, a read past the tier's wait,
-    # no CPU room): the request is not promoted again. A failed read alone is not: its
-    # key left the index, so a retry stages a shorter hit.
-    recompute_only: bool = False
     final_sent: bool = False
     aborted: bool = False
 
@@ -69,13 +65,12 @@ class Staged:
         """No more promotions: all sent, a failure, or the request is gone."""
         return self.failed_at is not None or self.aborted or self.next >= len(self.tier)
 
-    def fail_from(self, position: int, recompute_only: bool = False) -> None:
+    def fail_from(self, position: int) -> None:
         self.failed_at = position if self.failed_at is None else min(self.failed_at, position)
-        self.recompute_only |= recompute_only
 
     def fail_rest(self) -> None:
-        """Stop before the next slot to promote; a retry would end the same way."""
-        self.fail_from(self.tier[self.next][0][0], recompute_only=True)
+        """Stop before the next slot to promote."""
+        self.fail_from(self.tier[self.next][0][0])
 
     def give_up_if_overdue(self, now: float, wait_s: float | None) -> None:
         """A tier shared across instances answers within its wait, or the hit stops at
@@ -83,7 +78,7 @@ class Staged:
         job from the cascade). The late read's blocks are let go when it ends."""
         if self.promoting is None or wait_s is None or now - self.since <= wait_s:
             return
-        self.fail_from(self.promoting[0][0][0], recompute_only=True)
+        self.fail_from(self.promoting[0][0][0])
         self.promoting = None
 
     def take_round(self) -> Round:
