@@ -147,7 +147,7 @@ class OffloadScheduler:
         if self.loads.in_flight(req_id):
             return None, False  # a load for this request is still in flight: ask later
         if req_id in self.loads.failed_requests and not self.caps.sync_loads:
-            # vLLM (0.32) keeps a request whose asynchronous load failed among the loads
+            # vLLM keeps a request whose asynchronous load failed among the prefills
             # it reserves device blocks for: another asynchronous load of it could wait
             # for ever on its own reservation. It recomputes instead.
             return 0, False

@@ -166,3 +166,31 @@ def test_a_hybrid_rounds_cpu_blocks_wait_for_every_rank(make_engine, tmp_path):
     assert engine.cached_tokens["again"] == DOC_BLOCKS * BS
     assert engine.offload.totals.data["staged_hits"] == 1
     engine.assert_idle()
+
+
+def test_a_request_whose_asynchronous_load_failed_is_offered_no_hit_again(make_engine,
+                                                                         tmp_path):
+    """vLLM keeps such a request among the prefills it reserves device blocks for: a
+    second asynchronous load of it needs room for both, and waited for ever where the
+    device had less (a hybrid hit staged again after a failed read). It recomputes."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = make_engine(cpu_blocks=256, num_gpu_blocks=128, sliding_window=32,
+                         full_groups=FULL, sliding_groups=SLIDING)
+    doc = _doc(1)
+    _serve(engine, ("first", doc))
+    offload = engine.offload
+
+    def lookup(req_id):
+        req = Request(req_id, doc, SamplingParams(max_tokens=1), None,
+                      block_hasher=engine._hasher)
+        found = offload.get_num_new_matched_tokens(req, 0)
+        offload.loads.release_hit(req_id)
+        return found
+
+    assert lookup("fresh") == (DOC_BLOCKS * BS, True)  # the CPU tier holds the document
+    offload.loads.failed_requests.add("failed")  # as a failed asynchronous load leaves it
+    assert lookup("failed") == (0, False)
+    offload.loads.failed_requests.discard("failed")
+    engine.assert_idle()
