@@ -129,9 +129,8 @@ class Engine:
         others. ``peer_layers``: real workers for the other ranks instead, one per
         entry with that many layers (pipeline stages hold different layers; the
         scheduler, as in vLLM, is given rank 0's config); each gets every step's
-        metadata, runs its copies and reports. ``full_groups`` full-attention KV cache
-        groups, then (with ``sliding_window``) ``sliding_groups`` sliding-window ones,
-        as vLLM groups a hybrid model's layers. ``parallel``: ``ParallelConfig``
+        metadata, runs its copies and reports. KV cache groups: ``full_groups`` full
+        attention, then ``sliding_groups`` sliding-window. ``parallel``: ``ParallelConfig``
         fields set after the config is built. ``handshake``: give the scheduler the
         workers' start-up metadata, as vLLM's engine core does."""
         self.block_size = block_size
@@ -186,10 +185,9 @@ class Engine:
                 (rank, 0): w.get_handshake_metadata()
                 for rank, w in enumerate([self.worker, *self.peers])})
         as_bytes = self.kv_storage.view(torch.uint8).view(num_gpu_blocks, block_size, -1)
+        windows = [None] * full_groups + [sliding_window] * (len(groups) - full_groups)
         self.model = FakeModel({g: as_bytes for g in range(len(groups))},
-                               [block_size] * len(groups),
-                               [None if g < full_groups else sliding_window
-                                for g in range(len(groups))])
+                               [block_size] * len(groups), windows)
         init_none_hash(get_hash_fn_by_name("sha256"))
         self._hasher = get_request_block_hasher(block_size, get_hash_fn_by_name("sha256"))
         self.outputs: dict[str, list[int]] = {}

@@ -15,7 +15,9 @@ and at each counted position every group's entry the tier holds (and the CPU
 tier does not) is promoted. Which hit that makes is then vLLM's decision: the
 CPU tier's coordinator looks the request up again with each group's own rules,
 so a Mamba state is used only at the exact position its hash names, and a
-missing sparse block only shortens the hit. Every group's blocks have the
+missing sparse block only shortens the hit. A hit longer than the CPU tier's
+room is staged instead (:mod:`.staged`), and brings only the entries vLLM's
+lookup takes over the CPU tier and the tier together. Every group's blocks have the
 scheduler's block size (the registry keeps the tier off otherwise).
 """
 

@@ -4,29 +4,38 @@ A promotion brings a tier's blocks into free CPU blocks, and the request then lo
 CPU hit to the device (:mod:`.tier_cascade`); a run longer than the free CPU blocks
 would lose its tail that way. Such a hit is *staged* instead:
 
-1. The lookup answers the whole hit (the CPU hit and the tier's run after it) as an
-   asynchronous load: vLLM allocates device blocks for all of it, and the request waits.
-2. Round by round, the run's next blocks are promoted into the CPU blocks free at that
-   step, loaded into their device blocks, and released (they stay in the CPU tier as
-   ordinary, evictable content); then the next ones. The CPU hit, and blocks of the run
-   the CPU tier already holds, go in the first round.
+1. The lookup answers the whole hit as an asynchronous load: vLLM allocates device
+   blocks for all of it, and the request waits. Which blocks the hit needs is vLLM's
+   own lookup run over the CPU tier and the tier together
+   (:meth:`~kvoffload_hal.scheduler.cpu_tier.CpuTier.find_hit_with`): every block of
+   a full-attention group, the last window of a sliding-window group, the state at the
+   hit's end of a Mamba group. Each is a *slot* (position, group); with one group, a
+   slot is a position.
+2. Round by round, the next slots the tier holds are promoted into the CPU blocks free
+   at that step, loaded into their device blocks, and released (they stay in the CPU
+   tier as ordinary, evictable content); then the next ones. Slots the CPU tier holds
+   go in the first round.
 3. The last round is the request's load: the workers report the request in
    ``finished_recving`` once it and every earlier round of it have landed.
 
 Nothing of the hit is evicted while it is served: its tier keys are pinned in the index
-from the lookup on, its CPU blocks until their round landed, its device blocks until the
-last round did. Staged requests never wait for one another (a round takes free CPU blocks
-and gives them back once loaded), and another request on the same blocks waits for the
-staged one and then takes the device prefix-cache hit. A block that fails to read or to
-copy ends the hit there: the rest is reported failed and vLLM recomputes it; so is the
-rest of a hit that found no free CPU block for :data:`MAX_STAGE_WAIT_S`.
+from the lookup on, its CPU blocks until their round landed on every rank, its device
+blocks until the last round did. Staged requests never wait for one another (a round
+takes free CPU blocks and gives them back once loaded), and another request on the same
+blocks waits for the staged one and then takes the device prefix-cache hit. Slots go
+position by position, so a block that fails to read or to copy ends the hit there:
+nothing after it is promoted or loaded, and the rest is reported failed (per block with
+one group, and vLLM recomputes from it; per request with several, and vLLM recomputes
+the request); so is the rest of a hit that found no free CPU block for
+:data:`MAX_STAGE_WAIT_S`. The request is then offered no hit again.
 
-Staging serves models with one KV cache group, on any tier. On a tier shared across
-instances the run is what an existence query found (the first lookup asks, the next one
-stages); a hit is staged only while the tier's circuit breaker is closed, and a read
-that does not land within the tier's wait ends the hit there, as does a block that
-vanished from the store between the query and the read (its read fails). Models with
-several groups promote what fits.
+Staging serves any model on any tier, where vLLM can be told that a load failed: with
+several groups, vLLM 0.32 and later (``LoadRecovery.REQUESTS``); on 0.23 such a model
+promotes what fits. On a tier shared across instances the run is what an existence
+query found (the first lookup asks, the next one stages); a hit is staged only while
+the tier's circuit breaker is closed, and a read that does not land within the tier's
+wait ends the hit there, as does a block that vanished from the store between the query
+and the read (its read fails).
 """
 
 from __future__ import annotations

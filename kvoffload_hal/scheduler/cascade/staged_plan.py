@@ -1,4 +1,4 @@
-"""What a staged hit is, and how a lookup decides one: the run, its positions, its rounds.
+"""What a staged hit is, and how a lookup decides one: its slots (position, group), its rounds.
 
 Runs in the scheduler process; :mod:`.staged` serves the hits decided here.
 """
