@@ -60,7 +60,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed import kv_events
@@ -176,6 +176,32 @@ def find_longest_cache_hit(coordinator: Any, block_hashes: Sequence[Any],
     """``(blocks per group, tokens)``; newer releases return a third value, unused here."""
     found = coordinator.find_longest_cache_hit(block_hashes, max_tokens)
     return found[0], found[1]
+
+
+class _MapWith:
+    """A pool's hash map, extended: ``more(hash with group id)`` answers what it lacks."""
+
+    def __init__(self, base: Any, more: Callable[[Any], Any]) -> None:
+        self._base, self._more = base, more
+
+    def get_one_block(self, key: Any) -> Any:
+        return self._base.get_one_block(key) or self._more(key)
+
+
+def find_longest_cache_hit_with(coordinator: Any, block_hashes: Sequence[Any],
+                                max_tokens: int, more: Callable[[Any], Any]) -> tuple[Any, int]:
+    """:func:`find_longest_cache_hit` over the pool's cached blocks and, for a hash it
+    lacks, what ``more`` answers (a stand-in, or None): vLLM's own rules decide the hit
+    (each group's: a window's last blocks, a Mamba state at the hit's end). Every
+    release's lookup reads the pool's map through ``get_one_block`` only; the map is
+    put back before this returns, and nothing else runs meanwhile."""
+    pool = coordinator.block_pool
+    base = pool.cached_block_hash_to_block
+    pool.cached_block_hash_to_block = _MapWith(base, more)
+    try:
+        return find_longest_cache_hit(coordinator, block_hashes, max_tokens)
+    finally:
+        pool.cached_block_hash_to_block = base
 
 
 def group_block_sizes(coordinator: Any) -> tuple[int, ...]:

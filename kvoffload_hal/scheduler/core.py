@@ -146,6 +146,11 @@ class OffloadScheduler:
             return None, False  # vLLM's scan goes on to the requests whose load landed
         if self.loads.in_flight(req_id):
             return None, False  # a load for this request is still in flight: ask later
+        if req_id in self.loads.failed_requests and not self.caps.sync_loads:
+            # vLLM keeps a request whose asynchronous load failed among the prefills
+            # it reserves device blocks for: another asynchronous load of it could wait
+            # for ever on its own reservation. It recomputes instead.
+            return 0, False
         if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
             return 0, False
         start = num_computed_tokens // self.cpu.hash_block_size

@@ -22,7 +22,7 @@ No device is touched here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +127,13 @@ class CpuTier:
             return _NO_HIT
         return vllm_compat.find_longest_cache_hit(self.coordinator, block_hashes[first:],
                                                   max_tokens)
+
+    def find_hit_with(self, block_hashes: Sequence[Any], first: int, max_tokens: int,
+                      more: Callable[[Any], Any]) -> tuple[Hit, int]:
+        """:meth:`find_hit` as if the blocks ``more(hash with group id)`` answers for
+        (stand-ins, from a slower tier) were cached here too."""
+        return vllm_compat.find_longest_cache_hit_with(self.coordinator, block_hashes[first:],
+                                                       max_tokens, more)
 
     def holds(self, block_hash: Any) -> bool:
         """Whether a block is published under ``block_hash`` (hash with group id)."""

@@ -119,6 +119,7 @@ class Engine:
 
     def __init__(self, model_dir: str, *, num_gpu_blocks: int, cpu_blocks: int,
                  block_size: int = 16, lazy: bool = False, sliding_window: int | None = None,
+                 full_groups: int = 1, sliding_groups: int = 1,
                  max_num_batched_tokens: int = 512, max_num_seqs: int = 32,
                  ranks: int = 1, extra_config: dict | None = None,
                  kv_events: bool = False, scheduling_policy: str = "fcfs",
@@ -128,16 +129,17 @@ class Engine:
         others. ``peer_layers``: real workers for the other ranks instead, one per
         entry with that many layers (pipeline stages hold different layers; the
         scheduler, as in vLLM, is given rank 0's config); each gets every step's
-        metadata, runs its copies and reports. ``parallel``: ``ParallelConfig``
+        metadata, runs its copies and reports. KV cache groups: ``full_groups`` full
+        attention, then ``sliding_groups`` sliding-window. ``parallel``: ``ParallelConfig``
         fields set after the config is built. ``handshake``: give the scheduler the
         workers' start-up metadata, as vLLM's engine core does."""
         self.block_size = block_size
         groups = [FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
-                                    head_size=HEAD_DIM, dtype=torch.bfloat16)]
+                                    head_size=HEAD_DIM, dtype=torch.bfloat16)] * full_groups
         if sliding_window is not None:
-            groups.append(SlidingWindowSpec(block_size=block_size, num_kv_heads=HEADS,
-                                            head_size=HEAD_DIM, dtype=torch.bfloat16,
-                                            sliding_window=sliding_window))
+            groups += [SlidingWindowSpec(block_size=block_size, num_kv_heads=HEADS,
+                                         head_size=HEAD_DIM, dtype=torch.bfloat16,
+                                         sliding_window=sliding_window)] * sliding_groups
         page = groups[0].page_size_bytes
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_gpu_blocks,
@@ -183,9 +185,9 @@ class Engine:
                 (rank, 0): w.get_handshake_metadata()
                 for rank, w in enumerate([self.worker, *self.peers])})
         as_bytes = self.kv_storage.view(torch.uint8).view(num_gpu_blocks, block_size, -1)
+        windows = [None] * full_groups + [sliding_window] * (len(groups) - full_groups)
         self.model = FakeModel({g: as_bytes for g in range(len(groups))},
-                               [block_size] * len(groups),
-                               [None] + ([sliding_window] if sliding_window else []))
+                               [block_size] * len(groups), windows)
         init_none_hash(get_hash_fn_by_name("sha256"))
         self._hasher = get_request_block_hasher(block_size, get_hash_fn_by_name("sha256"))
         self.outputs: dict[str, list[int]] = {}

@@ -4,29 +4,38 @@ A promotion brings a tier's blocks into free CPU blocks, and the request then lo
 CPU hit to the device (:mod:`.tier_cascade`); a run longer than the free CPU blocks
 would lose its tail that way. Such a hit is *staged* instead:
 
-1. The lookup answers the whole hit (the CPU hit and the tier's run after it) as an
-   asynchronous load: vLLM allocates device blocks for all of it, and the request waits.
-2. Round by round, the run's next blocks are promoted into the CPU blocks free at that
-   step, loaded into their device blocks, and released (they stay in the CPU tier as
-   ordinary, evictable content); then the next ones. The CPU hit, and blocks of the run
-   the CPU tier already holds, go in the first round.
+1. The lookup answers the whole hit as an asynchronous load: vLLM allocates device
+   blocks for all of it, and the request waits. Which blocks the hit needs is vLLM's
+   own lookup run over the CPU tier and the tier together
+   (:meth:`~kvoffload_hal.scheduler.cpu_tier.CpuTier.find_hit_with`): every block of
+   a full-attention group, the last window of a sliding-window group, the state at the
+   hit's end of a Mamba group. Each is a *slot* (position, group); with one group, a
+   slot is a position.
+2. Round by round, the next slots the tier holds are promoted into the CPU blocks free
+   at that step, loaded into their device blocks, and released (they stay in the CPU
+   tier as ordinary, evictable content); then the next ones. Slots the CPU tier holds
+   go in the first round.
 3. The last round is the request's load: the workers report the request in
    ``finished_recving`` once it and every earlier round of it have landed.
 
 Nothing of the hit is evicted while it is served: its tier keys are pinned in the index
-from the lookup on, its CPU blocks until their round landed, its device blocks until the
-last round did. Staged requests never wait for one another (a round takes free CPU blocks
-and gives them back once loaded), and another request on the same blocks waits for the
-staged one and then takes the device prefix-cache hit. A block that fails to read or to
-copy ends the hit there: the rest is reported failed and vLLM recomputes it; so is the
-rest of a hit that found no free CPU block for :data:`MAX_STAGE_WAIT_S`.
+from the lookup on, its CPU blocks until their round landed on every rank, its device
+blocks until the last round did. Staged requests never wait for one another (a round
+takes free CPU blocks and gives them back once loaded), and another request on the same
+blocks waits for the staged one and then takes the device prefix-cache hit. Slots go
+position by position, so a block that fails to read or to copy ends the hit there:
+nothing after it is promoted or loaded, and the rest is reported failed (per block with
+one group, and vLLM recomputes from it; per request with several, and vLLM recomputes
+the request); so is the rest of a hit that found no free CPU block for
+:data:`MAX_STAGE_WAIT_S`. The request is then offered no hit again.
 
-Staging serves models with one KV cache group, on any tier. On a tier shared across
-instances the run is what an existence query found (the first lookup asks, the next one
-stages); a hit is staged only while the tier's circuit breaker is closed, and a read
-that does not land within the tier's wait ends the hit there, as does a block that
-vanished from the store between the query and the read (its read fails). Models with
-several groups promote what fits.
+Staging serves any model on any tier, where vLLM can be told that a load failed: with
+several groups, vLLM 0.32 and later (``LoadRecovery.REQUESTS``); on 0.23 such a model
+promotes what fits. On a tier shared across instances the run is what an existence
+query found (the first lookup asks, the next one stages); a hit is staged only while
+the tier's circuit breaker is closed, and a read that does not land within the tier's
+wait ends the hit there, as does a block that vanished from the store between the query
+and the read (its read fails).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from kvoffload_hal import vllm_compat
 from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import LoadSpec
-from kvoffload_hal.scheduler.cascade.staged_plan import NotStaged, Round, Staged, plan_run
+from kvoffload_hal.scheduler.cascade.staged_plan import NotStaged, Round, Slot, Staged, plan_hit
 from kvoffload_hal.scheduler.load_jobs import RoundJob
 from kvoffload_hal.scheduler.parts import RequestPart
 
@@ -79,7 +88,7 @@ class StagedHits(RequestPart):
         self.cpu = cpu
         self.stats = stats
         self.block_size = block_size
-        self.enabled = enabled and cascade.stages and len(cascade.groups.groups) == 1
+        self.enabled = enabled and cascade.stages
         self._clock = clock
         self._pending: dict[str, Staged] = {}  # offered, not allocated yet
         self._active: dict[str, Staged] = {}
@@ -95,16 +104,15 @@ class StagedHits(RequestPart):
         if not (self.enabled and self.cascade.may_stage()):
             return 0
         bs = self.block_size
-        first = (num_computed_tokens + hit_tokens) // bs
-        positions = request.block_hashes[first:(num_computed_tokens + max_hit_tokens) // bs]
-        hit_blocks = hit[0] if hit else []
+        run = request.block_hashes[(num_computed_tokens + hit_tokens) // bs:
+                                   (num_computed_tokens + max_hit_tokens) // bs]
         # (A hit on busy CPU blocks waited already: LoadJobs.wait_for_shared_load.)
-        if self._owners and any(k in self._owners for k in self.cascade.groups.keys(positions)):
+        if self._owners and any(k in self._owners for k in self.cascade.groups.keys(run)):
             self.loads.note_wait(request.request_id)
             return None
-        entries = (self.cascade.groups.at(bh)[0] for bh in positions)
-        staged = plan_run(self.cascade, self.cpu, request.request_id, hit_blocks, entries,
-                           bs, self._clock())
+        staged = plan_hit(self.cascade, self.cpu, request.request_id, hit,
+                          request.block_hashes, num_computed_tokens // bs, run,
+                          max_hit_tokens, self._clock())
         if staged is NotStaged.WAIT:
             return None
         if staged is NotStaged.FITS:
@@ -125,19 +133,19 @@ class StagedHits(RequestPart):
         """A hit offered and never allocated (vLLM looks the request up again)."""
         staged = self._pending.pop(req_id, None)
         if staged is not None:
-            self._drop_positions(staged, 0)
+            self._drop(staged, lambda slot: False)
 
-    def _drop_positions(self, staged: Staged, n: int) -> None:
-        """Stop holding the positions from ``n`` on (before any round was sent)."""
-        cpu_blocks = [b for pos, b in staged.cpu if pos >= n]
+    def _drop(self, staged: Staged, keep: Callable[[Slot], bool]) -> None:
+        """Stop holding the slots not kept (before any round was sent)."""
+        cpu_blocks = [b for slot, b in staged.cpu if not keep(slot)]
         self.cpu.unpin(cpu_blocks)
         self.loads.release_busy(b.block_id for b in cpu_blocks)
-        keys = [key for pos, key, _ in staged.tier if pos >= n]
+        keys = [key for slot, key, _ in staged.tier if not keep(slot)]
         self.cascade.index.unpin(keys)
         for key in keys:
             self._owners.pop(key, None)
-        staged.cpu = [x for x in staged.cpu if x[0] < n]
-        staged.tier = [x for x in staged.tier if x[0] < n]
+        staged.cpu = [x for x in staged.cpu if keep(x[0])]
+        staged.tier = [x for x in staged.tier if keep(x[0])]
 
     # --------------------------------------------------------- allocation
     def plan(self, req_id: str, blocks: KVCacheBlocks, num_external_tokens: int) -> bool:
@@ -146,14 +154,21 @@ class StagedHits(RequestPart):
         if staged is None:
             return False
         # The scheduler may accept fewer tokens than offered: the rest is not staged.
+        # A prefix of the hit is a hit only where every group needs every block before
+        # its end; otherwise the blocks a window or a state needs differ, and none is.
         n = cdiv(num_external_tokens, self.block_size)
-        self._drop_positions(staged, n)
+        if n * self.block_size < staged.num_tokens and not self.cascade.groups.all_dense:
+            staged.fail_from(0)
+        first = staged.num_computed_tokens // self.block_size
+        device = blocks.blocks
+        # A null device block is one vLLM never reads (outside a window): not filled.
+        self._drop(staged, lambda s: s[0] < n and not device[s[1]][first + s[0]].is_null)
         if n == 0:
             return True
-        first = staged.num_computed_tokens // self.block_size
-        staged.gpu_ids = list(blocks.get_block_ids()[0][first:first + n])
-        self.loads.pin_device(staged.gpu_ids)  # ours until the last round landed
-        staged.ready = [(b, staged.gpu_ids[pos]) for pos, b in staged.cpu]
+        ids = blocks.get_block_ids()
+        staged.gpu_ids = {(pos, g): ids[g][first + pos] for pos, g in staged.slots()}
+        self.loads.pin_device(staged.gpu_ids.values())  # ours until the last round landed
+        staged.ready = [(b, staged.gpu_ids[slot]) for slot, b in staged.cpu]
         staged.num_tokens = min(staged.num_tokens, num_external_tokens)
         staged.since = self._clock()
         self._active[req_id] = staged
@@ -196,7 +211,7 @@ class StagedHits(RequestPart):
                 log_once(logger, logging.WARNING, "%s: a staged hit found no free CPU "
                          "block for %.0f s; the rest of its prompt is recomputed",
                          self.cascade.names.label, MAX_STAGE_WAIT_S)
-                staged.fail_from(staged.tier[staged.next][0])
+                staged.fail_rest()
             return False
         part = staged.tier[staged.next:staged.next + n]
         staged.next += n
@@ -217,8 +232,8 @@ class StagedHits(RequestPart):
         staged.since = self._clock()
         self.cpu.unpin(blocks[n_ok:])
         if n_ok < len(part):
-            staged.fail_from(part[n_ok][0])
-        ok = list(zip(blocks[:n_ok], (staged.gpu_ids[pos] for pos, _, _ in part)))
+            staged.fail_from(part[n_ok][0][0])
+        ok = list(zip(blocks[:n_ok], (staged.gpu_ids[slot] for slot, _, _ in part)))
         self.loads.hold_busy(b.block_id for b, _ in ok)
         staged.ready += ok
 
@@ -263,7 +278,7 @@ class StagedHits(RequestPart):
             if staged is None or not staged.final_sent:
                 continue
             del self._active[req_id]
-            ok = req_id not in failed and not invalid.intersection(staged.gpu_ids)
+            ok = req_id not in failed and not invalid.intersection(staged.gpu_ids.values())
             if ok and staged.failed_at is None and not staged.aborted:
                 self.stats.record_load(len(staged.gpu_ids), staged.num_tokens)
                 self.stats.record_staged_hit()
@@ -274,7 +289,7 @@ class StagedHits(RequestPart):
             torn = not ok and (req_id in failed
                                or bool(invalid.intersection(staged.final_gpu_ids)))
             self._release(staged.final_blocks, not torn)
-            self.loads.unpin_device(staged.gpu_ids)
+            self.loads.unpin_device(staged.gpu_ids.values())
             self.cascade.index.unpin(staged.keys)
             self._landed.append(staged)  # its keys stay owned until the next step
 
@@ -296,7 +311,7 @@ class StagedHits(RequestPart):
             self.release_pending(req_id)
         for staged in self._active.values():
             if not staged.stops():
-                staged.fail_from(staged.tier[staged.next][0])
+                staged.fail_rest()
 
     def has_pending(self) -> bool:
         return bool(self._pending or self._active or self._landed or self._queued)

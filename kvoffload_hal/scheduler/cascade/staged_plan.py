@@ -1,4 +1,4 @@
-"""What a staged hit is, and how a lookup decides one: the run, its positions, its rounds.
+"""What a staged hit is, and how a lookup decides one: its slots (position, group), its rounds.
 
 Runs in the scheduler process; :mod:`.staged` serves the hits decided here.
 """
@@ -7,43 +7,59 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Sequence
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
-    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
+
+
+Slot = tuple[int, int]  # (position, KV cache group): one device block to fill
+
+
+class TierBlock(NamedTuple):
+    """A block the tier holds, as the union lookup sees it (never the null block)."""
+
+    key: BlockKey
+    block_hash: Any
+    is_null: bool = False
 
 
 @dataclass
 class Staged:
-    """One request's staged hit. Positions count blocks from its first computed token
-    on: the CPU hit first, then the run."""
+    """One request's staged hit. A slot is a (position, group) the hit fills, positions
+    counting blocks from its first computed token on; lists go slot by slot."""
 
     req_id: str
-    cpu: list[tuple[int, KVCacheBlock]]  # positions the CPU tier holds, pinned
-    tier: list[tuple[int, str, Any]]  # positions the tier brings: (position, key, hash)
+    cpu: list[tuple[Slot, KVCacheBlock]]  # slots the CPU tier holds, pinned
+    tier: list[tuple[Slot, BlockKey, Any]]  # slots the tier brings: (slot, key, hash)
     num_tokens: int  # offered
     num_computed_tokens: int
     since: float  # the last progress
-    gpu_ids: list[int] = field(default_factory=list)  # per position, once allocated
+    gpu_ids: dict[Slot, int] = field(default_factory=dict)  # once allocated
     ready: list[tuple[KVCacheBlock, int]] = field(default_factory=list)  # (CPU, device)
     loaded: list[int] = field(default_factory=list)  # device blocks of rounds sent
     final_blocks: list[KVCacheBlock] = field(default_factory=list)  # with the last round
     final_gpu_ids: list[int] = field(default_factory=list)
     next: int = 0  # the next entry of ``tier`` to promote
-    promoting: list[tuple[int, str, Any]] | None = None  # the part being promoted
+    promoting: list[tuple[Slot, BlockKey, Any]] | None = None  # the part being promoted
     rounds: int = 0  # rounds sent and not reported
     failed_at: int | None = None  # the first position not served
     final_sent: bool = False
     aborted: bool = False
 
     @property
-    def keys(self) -> list[str]:
+    def keys(self) -> list[BlockKey]:
         return [key for _, key, _ in self.tier]
+
+    def slots(self) -> list[Slot]:
+        return [slot for slot, _ in self.cpu] + [slot for slot, _, _ in self.tier]
 
     def stops(self) -> bool:
         """No more promotions: all sent, a failure, or the request is gone."""
@@ -52,13 +68,17 @@ class Staged:
     def fail_from(self, position: int) -> None:
         self.failed_at = position if self.failed_at is None else min(self.failed_at, position)
 
+    def fail_rest(self) -> None:
+        """Stop before the next slot to promote."""
+        self.fail_from(self.tier[self.next][0][0])
+
     def give_up_if_overdue(self, now: float, wait_s: float | None) -> None:
         """A tier shared across instances answers within its wait, or the hit stops at
         the part being read (the rest is recomputed; the breaker hears of the overdue
         job from the cascade). The late read's blocks are let go when it ends."""
         if self.promoting is None or wait_s is None or now - self.since <= wait_s:
             return
-        self.fail_from(self.promoting[0][0])
+        self.fail_from(self.promoting[0][0][0])
         self.promoting = None
 
     def take_round(self) -> Round:
@@ -76,43 +96,56 @@ class Staged:
         self.ready = []
         self.final_sent = True
         served = {*gpu_ids, *self.loaded}
-        failed = tuple(g for g in self.gpu_ids if g not in served)
+        failed = tuple(g for g in self.gpu_ids.values() if g not in served)
         return Round(self.req_id, self.final_blocks, gpu_ids, failed)
 
 
 class NotStaged(Enum):
-    """Why :func:`plan_run` stages nothing."""
+    """Why :func:`plan_hit` stages nothing."""
 
     FITS = "a promotion serves the run whole, or there is nothing to get"
     WAIT = "another request's promotion brings a block of the run: ask again later"
 
 
-def plan_run(cascade: TierCascade, cpu: CpuTier, req_id: str, hit_blocks: list[KVCacheBlock],
-              entries: Iterator[tuple[str, Any]], block_size: int,
-              now: float) -> Staged | NotStaged:
-    """The run of the tier's blocks after the hit, when it is longer than the room a
-    promotion has; else why not."""
+def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
+             block_hashes: Sequence[Any], first: int, run: Sequence[Any], max_tokens: int,
+             now: float) -> Staged | NotStaged:
+    """The hit over the CPU tier and the tier together from block ``first`` on, when
+    the tier's part of it is more than a promotion has room for; else why not.
+
+    ``run``: the positions after the CPU hit ``hit``. A plain promotion would bring
+    every group's block at each position of the run (``GroupKeys.plan``); a staged hit
+    brings only the blocks vLLM's lookup takes (``CpuTier.find_hit_with``)."""
     if cascade.held_for(req_id, promoting_only=True):
         return NotStaged.FITS  # its promotion (a prefetch) is in flight: the cascade waits
-    held: list[tuple[int, KVCacheBlock]] = list(enumerate(hit_blocks))
-    tier: list[tuple[int, str, Any]] = []
-    for pos, (key, block_hash) in enumerate(entries, start=len(hit_blocks)):
-        if cascade.is_promoting(key):
-            return NotStaged.WAIT
-        cached = cpu.cached([block_hash])
-        if cached:
-            held.append((pos, cached[0]))
-        elif cascade.index.is_ready(key):
-            tier.append((pos, key, block_hash))
-        else:
-            break
+    groups, index = cascade.groups, cascade.index
+    run = run[:groups.run(run, index.is_ready, cpu.holds)]
+    if any(cascade.is_promoting(key) for key in groups.keys(run)):
+        return NotStaged.WAIT
+    wanted = groups.plan(run, index.is_ready, cpu.holds, len(run) * len(groups.groups))
     # The room a promotion has once the CPU blocks of the hit and run are pinned.
-    if len(tier) <= cascade.room() - sum(1 for _, b in held if b.ref_cnt == 0):
+    held = {b.block_id: b for b in [*(b for g in hit for b in g if not b.is_null),
+                                    *cpu.cached(h for bh in run for _, h in groups.at(bh))]}
+    if len(wanted) <= cascade.room() - sum(1 for b in held.values() if b.ref_cnt == 0):
         return NotStaged.FITS
-    # Every position of the run, the CPU blocks after its last tier block too: vLLM asks
-    # for a request's external tokens once.
-    last = max(tier[-1][0], held[-1][0] if held else 0)
-    return Staged(req_id, held, tier, (last + 1) * block_size, 0, now)
+
+    def in_tier(block_hash: Any) -> TierBlock | None:
+        key = block_hash.hex()
+        return TierBlock(key, block_hash) if index.is_ready(key) else None
+
+    blocks, num_tokens = cpu.find_hit_with(block_hashes, first, max_tokens, in_tier)
+    staged = Staged(req_id, [], [], num_tokens, 0, now)
+    for g, group_blocks in enumerate(blocks):
+        for pos, b in enumerate(group_blocks):
+            if isinstance(b, TierBlock):
+                staged.tier.append(((pos, g), b.key, b.block_hash))
+            elif not b.is_null:
+                staged.cpu.append(((pos, g), b))
+    if not staged.tier:
+        return NotStaged.FITS
+    staged.cpu.sort(key=lambda x: x[0])
+    staged.tier.sort(key=lambda x: x[0])
+    return staged
 
 
 @dataclass

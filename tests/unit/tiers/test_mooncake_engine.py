@@ -12,8 +12,10 @@ pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reaso
 BS = 16
 
 
-def _engine(make_engine, address, sliding_window=None, **extra):
-    return make_engine(cpu_blocks=32, sliding_window=sliding_window, extra_config={
+def _engine(make_engine, address, sliding_window=None, cpu_blocks=32, num_gpu_blocks=20,
+            **extra):
+    return make_engine(cpu_blocks=cpu_blocks, num_gpu_blocks=num_gpu_blocks,
+                       sliding_window=sliding_window, extra_config={
         "mooncake_master": address, "mooncake_segment_bytes": 16 << 20,
         "mooncake_buffer_bytes": 16 << 20, "mooncake_timeout_s": 2.0,
         "mooncake_connect_timeout_s": 1.0, **extra})
@@ -120,4 +122,50 @@ def test_copies_dropped_for_the_device_are_still_written_through_once(make_engin
         _serve(b, f"b{i}", d)
         assert b.outputs[f"b{i}"] == a.outputs[f"a{i}"]
         assert b.cached_tokens[f"b{i}"] == 4 * BS
+    b.assert_idle()
+
+
+DOC = [(i * 5) % 89 + 1 for i in range(20 * BS + 1)]  # 20 blocks
+
+
+def test_a_hit_longer_than_the_readers_cpu_tier_is_staged_whole(make_engine, master):
+    """The reader's CPU tier holds 6 blocks: the 20-block hit it probed comes back in
+    rounds through it, every block read from the store."""
+    a = _engine(make_engine, master.address, num_gpu_blocks=32)
+    _serve(a, "a", DOC)
+    b = _engine(make_engine, master.address, cpu_blocks=6, num_gpu_blocks=32)
+    _serve(b, "b", DOC)
+    assert b.outputs["b"] == a.outputs["a"]
+    assert b.cached_tokens["b"] == 20 * BS
+    totals = b.offload.totals.data
+    assert totals["staged_hits"] == 1 and totals["blocks_from_mooncake"] == 20
+    b.assert_idle()
+
+
+def test_a_block_gone_between_the_query_and_the_read_ends_the_staged_hit_there(
+        make_engine, master):
+    """Removed from the store once the reader's existence query found it, before its
+    read: the read fails, and the hit ends at that block (the rest recomputed)."""
+    a = _engine(make_engine, master.address, num_gpu_blocks=32)
+    req = _serve(a, "a", DOC)
+    b = _engine(make_engine, master.address, cpu_blocks=6, num_gpu_blocks=32)
+    b.add("b", DOC)
+    for _ in range(200):  # until the hit is staged: the query found every block
+        b.step()
+        if "b" in b.offload.staged._active:
+            break
+    assert "b" in b.offload.staged._active
+    from support.shared_tier import tier_keys
+
+    gone = a.worker.worker.tier.store_key(tier_keys(req, 12)[11])
+    while a.worker.worker.tier.client.is_exist(gone) == 1:
+        a.worker.worker.tier.client.remove(gone, True)
+        time.sleep(0.05)
+    b.run_until_done(max_steps=2000)
+    b.drain()
+    assert b.outputs["b"] == a.outputs["a"]
+    assert b.cached_tokens["b"] == 11 * BS  # up to the vanished block, no further
+    totals = b.offload.totals.data
+    assert totals.get("staged_hits", 0) == 0 and totals["mooncake_failed_blocks"] >= 1
+    assert totals["blocks_from_mooncake"] == 11
     b.assert_idle()

@@ -1,0 +1,75 @@
+"""A hybrid model's disk hit longer than the CPU tier comes back whole: it is staged.
+
+Tiny Gemma 3 (``kvoffload_hal.demo.tiny_hybrid``, float32): a global layer and three
+sliding-window layers (64-token window), four KV cache groups of 32-token blocks. The
+CPU tier holds 12 blocks; a document has 12 full blocks in each group, so a plain
+promotion would need 48 of them and the staged hit needs 18 (every global block, and
+the last two blocks of each window). The document is served, pushed out of the device
+and the CPU tier by two others, and served again: the same tokens as without the
+connector, and every full block of it served from the disk through the CPU tier in
+rounds (``kvoffload_hal/scheduler/cascade/staged.py``).
+
+vLLM 0.23 cannot be told that a load of such a model failed (no per-request report):
+a staged read that fails could not be recomputed, so there the hit is not staged and
+what fits is promoted; the tokens are still the same.
+"""
+
+import pytest
+
+from kvoffload_hal import vllm_compat
+from kvoffload_hal.demo.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
+from kvoffload_hal.demo.tiny_model import synthetic_text
+from support.engines import drain_transfers
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+PAGE = BLOCK * 1 * 64 * 2 * 4  # one layer's block: KV heads x head_dim x K+V x float32
+CPU_BLOCKS = 12
+DOC_WORDS = 400  # about one token a word: 12 full blocks
+
+
+def _run(model_dir, tmp_path, offload):
+    from vllm import SamplingParams
+
+    # Prefill 2 blocks a step: each step's 8 blocks (every group's) fit the CPU tier
+    # on their way to the disk.
+    llm = make_llm(EngineSpec(
+        model_dir, num_gpu_blocks=40, block_size=BLOCK, max_model_len=512, dtype="float32",
+        max_num_batched_tokens=2 * BLOCK, max_num_seqs=2, offload=offload,
+        cpu_bytes_to_use=CPU_BLOCKS * PAGE,
+        extra_config={"disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 400 * PAGE}))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    doc = synthetic_text(DOC_WORDS, seed=100)
+    try:
+        first = llm.generate([doc], params, use_tqdm=False)[0]
+        for seed in range(2):  # the document leaves the device and the CPU tier
+            llm.generate([synthetic_text(DOC_WORDS, seed=seed)], params, use_tqdm=False)
+        assert drain_transfers(llm)
+        again = llm.generate([doc], params, use_tqdm=False)[0]
+        assert drain_transfers(llm)
+        conn = scheduler_connector(llm)
+        totals = dict(conn.scheduler.totals.data) if conn is not None else {}
+        groups = len(conn.scheduler.cpu.group_block_sizes) if conn is not None else 0
+    finally:
+        close_llm(llm)
+    return first, again, totals, groups
+
+
+def test_a_hybrid_disk_hit_longer_than_the_cpu_tier_comes_back_whole(tiny_gemma3_dir,
+                                                                     tmp_path):
+    base_first, base_again, _, _ = _run(tiny_gemma3_dir, tmp_path / "base", offload=False)
+    assert base_again.num_cached_tokens == 0  # evicted from the device
+    first, again, totals, groups = _run(tiny_gemma3_dir, tmp_path / "offload", offload=True)
+    assert groups == 4
+    assert first.outputs[0].token_ids == base_first.outputs[0].token_ids
+    assert again.outputs[0].token_ids == base_again.outputs[0].token_ids
+    full_blocks = (len(again.prompt_token_ids) - 1) // BLOCK
+    assert full_blocks * groups > CPU_BLOCKS  # a plain promotion could not bring it back
+    if not vllm_compat.REPORTS_FAILED_RECVING:
+        assert totals.get("staged_hits", 0) == 0  # vLLM 0.23: what fits is promoted
+        return
+    assert again.num_cached_tokens == full_blocks * BLOCK  # every full block served
+    assert totals["staged_hits"] == 1
+    # Every global block, and each window's last two blocks (three sliding groups).
+    assert totals["blocks_from_disk"] == full_blocks + 3 * 2

@@ -1,0 +1,196 @@
+"""Staged hits of a model with several KV cache groups (scheduler/cascade/staged.py).
+
+Four groups, as vLLM groups a hybrid model's layers: two full-attention ones and two
+sliding-window ones (a 32-token window: the last two blocks before a hit's end). The
+fake model of ``engine_harness.py`` checks every KV read, in every group: a block
+loaded into the wrong place, read before it landed, or missing from a window fails
+the test unless it was reported as a failed load.
+"""
+
+import pytest
+
+from kvoffload_hal import vllm_compat
+from support.disk_files import flip_a_byte_of_block
+
+BS = 16
+PAGE = BS * 128
+DOC_BLOCKS = 20
+CPU_BLOCKS = 12  # a plain promotion of a document needs 4 x 20 blocks
+FULL, SLIDING, WINDOW_BLOCKS = 2, 2, 2
+HIT_BLOCKS = FULL * DOC_BLOCKS + SLIDING * WINDOW_BLOCKS  # what the hit needs: 44
+
+needs_per_request_recovery = pytest.mark.skipif(
+    not vllm_compat.REPORTS_FAILED_RECVING,
+    reason="vLLM < 0.32 takes no failed load per request for several groups: not staged")
+
+
+def _engine(make_engine, tmp_path, **kwargs):
+    # Prefill 2 positions per step: each step's 8 blocks fit the CPU tier on their way
+    # to the disk.
+    return make_engine(cpu_blocks=CPU_BLOCKS, num_gpu_blocks=72, sliding_window=32,
+                       full_groups=FULL, sliding_groups=SLIDING,
+                       max_num_batched_tokens=2 * BS, extra_config={
+                           "disk_path": str(tmp_path / "kv"),
+                           "disk_bytes_to_use": 1024 * PAGE}, **kwargs)
+
+
+def _doc(seed):
+    return [(seed * 7 + i) % 89 + 1 for i in range(DOC_BLOCKS * BS + 1)]
+
+
+def _serve(engine, *requests):
+    reqs = [engine.add(req_id, prompt) for req_id, prompt in requests]
+    engine.run_until_done(max_steps=3000)
+    engine.drain()
+    return reqs
+
+
+def _on_disk_only(engine, doc):
+    """Serve the document, then two others: it leaves the device and the CPU tier."""
+    (first,) = _serve(engine, ("first", doc))
+    for i in range(2):
+        _serve(engine, (f"other-{i}", _doc(50 + i)))
+    return first
+
+
+def _rounds(engine, since=0):
+    return [r for meta in engine.sent[since:] if meta is not None for r in meta.rounds]
+
+
+def _delta(engine, before, key):
+    return engine.offload.totals.data.get(key, 0) - before.get(key, 0)
+
+
+@needs_per_request_recovery
+def test_a_hybrid_hit_longer_than_the_cpu_tier_comes_back_whole(make_engine, tmp_path):
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    before, sent = dict(engine.offload.totals.data), len(engine.sent)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first"]
+    assert engine.cached_tokens["again"] == DOC_BLOCKS * BS  # every full block came back
+    assert _delta(engine, before, "staged_hits") == 1
+    # Every full-attention block, and of each sliding-window group only its window.
+    assert _delta(engine, before, "blocks_loaded") == HIT_BLOCKS
+    assert HIT_BLOCKS - CPU_BLOCKS <= _delta(engine, before, "blocks_from_disk") <= HIT_BLOCKS
+    rounds = _rounds(engine, sent)
+    assert len(rounds) >= HIT_BLOCKS // CPU_BLOCKS and sum(r.final for r in rounds) == 1
+    assert all(len(r.cpu_blocks) <= CPU_BLOCKS for r in rounds)
+    engine.assert_idle()  # every CPU, device and tier pin released
+
+
+@pytest.mark.skipif(vllm_compat.REPORTS_FAILED_RECVING, reason="vLLM < 0.32 only")
+def test_without_per_request_recovery_a_hybrid_hit_promotes_what_fits(make_engine, tmp_path):
+    """vLLM < 0.32 cannot be told that a load of several groups failed: a staged read
+    that fails could not be recomputed, so what fits is promoted instead."""
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first"]
+    assert _delta(engine, before, "staged_hits") == 0
+    assert engine.cached_tokens["again"] < DOC_BLOCKS * BS
+    engine.assert_idle()
+
+
+@needs_per_request_recovery
+def test_a_corrupted_block_in_the_middle_ends_the_hybrid_hit_there(make_engine, tmp_path):
+    """Nothing after it is read or loaded; vLLM takes a failed load of several groups
+    per request, and recomputes the request."""
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    first = _on_disk_only(engine, doc)
+    bad = 11  # not at a promotion's edge
+    flip_a_byte_of_block(engine.worker.worker.tier.root, first.block_hashes[bad])
+    before, sent = dict(engine.offload.totals.data), len(engine.sent)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first"]
+    # Slots go position by position: every group's blocks before it were read, and none
+    # from it on (the sliding-window groups' blocks come at the hit's end).
+    assert _delta(engine, before, "blocks_from_disk") == FULL * bad
+    rounds = _rounds(engine, sent)
+    assert sum(r.final for r in rounds) == 1  # staged once: not looked up again
+    assert sum(len(r.gpu_blocks) for r in rounds) == FULL * bad
+    assert engine.cached_tokens["again"] == 0  # recomputed
+    assert _delta(engine, before, "staged_hits") == 0
+    engine.assert_idle()
+
+
+@needs_per_request_recovery
+def test_a_failed_round_ends_the_hybrid_hit(make_engine, tmp_path):
+    """Its copy failed: no later round is promoted or sent, the request recomputes, and
+    it is not staged again (a retry would fail the same way)."""
+    from support import flaky_backend  # noqa: F401 (registers flaky-loads: one load fails)
+
+    engine = _engine(make_engine, tmp_path, backend="flaky-loads")
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    assert engine.worker.worker.backend.failed_loads == 0  # no load yet: the next one fails
+    before, sent = dict(engine.offload.totals.data), len(engine.sent)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first"]
+    assert engine.worker.worker.backend.failed_loads == 1
+    rounds = _rounds(engine, sent)
+    assert sum(not r.final for r in rounds) == 1  # the one that failed, and the last
+    assert sum(r.final for r in rounds) == 1  # staged once
+    assert _delta(engine, before, "blocks_from_disk") <= 2 * CPU_BLOCKS < HIT_BLOCKS
+    assert _delta(engine, before, "staged_hits") == 0
+    engine.assert_idle()
+
+
+@needs_per_request_recovery
+def test_a_hybrid_rounds_cpu_blocks_wait_for_every_rank(make_engine, tmp_path):
+    """With two ranks, a round's CPU blocks stay pinned until the second one reported it."""
+    from support.second_rank import SecondRank
+
+    engine = _engine(make_engine, tmp_path, ranks=2)
+    rank1 = SecondRank(engine)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    engine.add("again", doc)
+    cpu_blocks = engine.offload.cpu.pool.blocks
+    checked = 0
+    for _ in range(3000):
+        if "again" in engine.finished:
+            break
+        engine.step()
+        sent = {r.job_id: r for r in _rounds(engine)}
+        for job in rank1.rounds_waiting:  # rank 0 reported it in this step, rank 1 not yet
+            assert all(cpu_blocks[b].ref_cnt for b in sent[job].cpu_blocks), job
+            checked += 1
+    assert checked >= 2
+    engine.drain()
+    assert engine.outputs["again"] == engine.outputs["first"]
+    assert engine.cached_tokens["again"] == DOC_BLOCKS * BS
+    assert engine.offload.totals.data["staged_hits"] == 1
+    engine.assert_idle()
+
+
+def test_a_request_whose_asynchronous_load_failed_is_offered_no_hit_again(make_engine,
+                                                                         tmp_path):
+    """vLLM keeps such a request among the prefills it reserves device blocks for: a
+    second asynchronous load of it needs room for both, and waited for ever where the
+    device had less (a hybrid hit staged again after a failed read). It recomputes."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = make_engine(cpu_blocks=256, num_gpu_blocks=128, sliding_window=32,
+                         full_groups=FULL, sliding_groups=SLIDING)
+    doc = _doc(1)
+    _serve(engine, ("first", doc))
+    offload = engine.offload
+
+    def lookup(req_id):
+        req = Request(req_id, doc, SamplingParams(max_tokens=1), None,
+                      block_hasher=engine._hasher)
+        found = offload.get_num_new_matched_tokens(req, 0)
+        offload.loads.release_hit(req_id)
+        return found
+
+    assert lookup("fresh") == (DOC_BLOCKS * BS, True)  # the CPU tier holds the document
+    offload.loads.failed_requests.add("failed")  # as a failed asynchronous load leaves it
+    assert lookup("failed") == (0, False)
+    offload.loads.failed_requests.discard("failed")
+    engine.assert_idle()
