@@ -1,15 +1,12 @@
 """vLLM's real scheduler and both connector roles, around a model that checks its KV.
 
-No model weights run here. :class:`FakeModel` plays the model runner: for every
-token it "computes" it writes bytes derived from its "weights" (a salt) and the
-whole prefix up to that token into the token's KV slot, and before computing it
-verifies the KV of the prefix it would attend to: tokens served by the device prefix cache or loaded
-back from the CPU tier must hold exactly the bytes of the prefix they claim.
-A wrong block, a stale block, or a load that lands late fails the check.
-
-Everything else is real: vLLM's ``Scheduler`` and ``KVCacheManager``, the
-scheduler-role and worker-role ``HALOffloadConnector``, the CPU copy backend
-(or a test subclass), host memory and the KV tensors.
+No model weights run here. :class:`FakeModel` plays the model runner: each token it
+"computes" gets bytes derived from its "weights" (a salt) and the whole prefix in its
+KV slot, and before computing it verifies the KV of the prefix it attends to (served
+by the device prefix cache or loaded back from a tier): a wrong block, a stale block
+or a load that lands late fails the check. Everything else is real: vLLM's
+``Scheduler`` and ``KVCacheManager``, both connector roles, the CPU copy backend (or
+a test subclass), host memory and the KV tensors.
 """
 
 from __future__ import annotations
