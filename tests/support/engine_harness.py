@@ -128,15 +128,14 @@ class Engine:
         scheduler, as in vLLM, is given rank 0's config); each gets every step's
         metadata, runs its copies and reports. KV cache groups: ``full_groups`` full
         attention, then ``sliding_groups`` sliding-window. ``parallel``: ``ParallelConfig``
-        fields set after the config is built. ``handshake``: give the scheduler the
-        workers' start-up metadata, as vLLM's engine core does."""
+        fields set after the config is built. ``handshake``: the workers' start-up metadata
+        to the scheduler, as vLLM's engine core gives it."""
         self.block_size = block_size
-        groups = [FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
-                                    head_size=HEAD_DIM, dtype=torch.bfloat16)] * full_groups
+        layout = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD_DIM,
+                      dtype=torch.bfloat16)
+        groups = [FullAttentionSpec(**layout)] * full_groups
         if sliding_window is not None:
-            groups += [SlidingWindowSpec(block_size=block_size, num_kv_heads=HEADS,
-                                         head_size=HEAD_DIM, dtype=torch.bfloat16,
-                                         sliding_window=sliding_window)] * sliding_groups
+            groups += [SlidingWindowSpec(**layout, sliding_window=sliding_window)] * sliding_groups
         page = groups[0].page_size_bytes
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_gpu_blocks,
@@ -389,11 +388,9 @@ def _peer_worker(vllm_config, spec, num_gpu_blocks: int, num_layers: int) -> HAL
     """The worker of another rank, holding ``num_layers`` layers of ``spec`` (its own
     KV cache config, as each pipeline stage has)."""
     layers = [f"peer.{i}" for i in range(num_layers)]
-    config = KVCacheConfig(
-        num_blocks=num_gpu_blocks,
-        kv_cache_tensors=[_kv_cache_tensor(spec.page_size_bytes, num_gpu_blocks, [name])
-                          for name in layers],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    tensors = [_kv_cache_tensor(spec.page_size_bytes, num_gpu_blocks, [n]) for n in layers]
+    config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=tensors,
+                           kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
     worker = HALOffloadConnector(vllm_config, KVConnectorRole.WORKER, config)
     worker.register_kv_caches({
         name: torch.zeros(num_gpu_blocks, spec.block_size, 2 * HEADS * HEAD_DIM,
