@@ -24,7 +24,7 @@ ENTRY_POINT_GROUP = "kvoffload_hal.eviction"
 
 # On the long-document benchmark at 32 documents of 256 tokens (tier of 30) "adaptive"
 # computed 2720 tokens where LRU computed 4416 (minimum 2624), and it is within
-# 0.004 of LRU or above it on the trace replays (docs/design.md#eviction).
+# 0.001 of LRU or above it on the trace replays (docs/design.md#eviction).
 DEFAULT_EVICTION = "adaptive"
 
 # What the CPU tier does with its copies of blocks the device also holds
