@@ -30,3 +30,19 @@ class SecondRank:
         self.rounds_waiting = set(self._late)
         both = mine.aggregate(other)
         return both if both else None
+
+    def run_checking_round_pins(self, engine, req_id: str, max_steps: int) -> int:
+        """Step ``engine`` until ``req_id`` finishes; after each step, every round rank 0
+        reported and rank 1 not yet must still hold its CPU blocks. Returns how many
+        such rounds were checked."""
+        cpu_blocks = engine.offload.cpu.pool.blocks
+        checked = 0
+        for _ in range(max_steps):
+            if req_id in engine.finished:
+                break
+            engine.step()
+            sent = {r.job_id: r for meta in engine.sent if meta is not None for r in meta.rounds}
+            for job in self.rounds_waiting:
+                assert all(cpu_blocks[b].ref_cnt for b in sent[job].cpu_blocks), job
+                checked += 1
+        return checked

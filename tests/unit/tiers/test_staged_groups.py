@@ -150,17 +150,7 @@ def test_a_hybrid_rounds_cpu_blocks_wait_for_every_rank(make_engine, tmp_path):
     doc = _doc(1)
     _on_disk_only(engine, doc)
     engine.add("again", doc)
-    cpu_blocks = engine.offload.cpu.pool.blocks
-    checked = 0
-    for _ in range(3000):
-        if "again" in engine.finished:
-            break
-        engine.step()
-        sent = {r.job_id: r for r in _rounds(engine)}
-        for job in rank1.rounds_waiting:  # rank 0 reported it in this step, rank 1 not yet
-            assert all(cpu_blocks[b].ref_cnt for b in sent[job].cpu_blocks), job
-            checked += 1
-    assert checked >= 2
+    assert rank1.run_checking_round_pins(engine, "again", max_steps=3000) >= 2
     engine.drain()
     assert engine.outputs["again"] == engine.outputs["first"]
     assert engine.cached_tokens["again"] == DOC_BLOCKS * BS
