@@ -27,7 +27,9 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def start_server(model: str, master: str, log_path: Path, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> Server:
+                 env: dict[str, str] | None = None, timeout_s: float = TIMEOUT_S) -> Server:
+    """``timeout_s``: ``mooncake_timeout_s``; short, for the tests of a master that
+    fails; a test of what the store serves gives a loaded host more."""
     config = {"kv_connector": CONNECTOR, "kv_role": "kv_both",
               "kv_load_failure_policy": "recompute",
               "kv_connector_extra_config": {
@@ -36,7 +38,7 @@ def start_server(model: str, master: str, log_path: Path, extra_args: tuple[str,
                   "cpu_bytes_to_use": CPU_BLOCKS * BLOCK_BYTES, "eviction": "lru",
                   "mooncake_master": master,
                   "mooncake_segment_bytes": 16 << 20, "mooncake_buffer_bytes": 16 << 20,
-                  "mooncake_timeout_s": TIMEOUT_S, "mooncake_connect_timeout_s": 1.0,
+                  "mooncake_timeout_s": timeout_s, "mooncake_connect_timeout_s": 1.0,
                   "mooncake_required": True}}
     server = Server(model, log_path, num_gpu_blocks=40, offload=False,
                     extra_args=["--kv-transfer-config", json.dumps(config), *extra_args],
