@@ -33,6 +33,8 @@ PROMPT = [(i * 7) % 89 + 1 for i in range(6 * BS + 1)]
 
 @pytest.fixture
 def master(tmp_path, monkeypatch):
+    """Requested before ``make_engine``, so it stops after the engines: a client
+    closing against a stopped master retries its unmount for ~10 s."""
     # Engines that share the store must name blocks alike: one block-hash seed for all
     # (vLLM 0.23 draws a random one per engine otherwise).
     monkeypatch.setenv("PYTHONHASHSEED", "0")
@@ -40,7 +42,7 @@ def master(tmp_path, monkeypatch):
         yield m
 
 
-def test_a_second_engine_serves_what_the_first_stored(make_engine, master):
+def test_a_second_engine_serves_what_the_first_stored(master, make_engine):
     a, b = _engine(make_engine, master.address), _engine(make_engine, master.address)
     _serve(a, "a", PROMPT)
     assert a.offload.totals.data["blocks_to_mooncake"] == 6
@@ -51,7 +53,7 @@ def test_a_second_engine_serves_what_the_first_stored(make_engine, master):
     b.assert_idle()
 
 
-def test_a_model_with_a_sliding_window_group_is_shared_too(make_engine, master):
+def test_a_model_with_a_sliding_window_group_is_shared_too(master, make_engine):
     """Two KV cache groups: one object per (group, block); the second engine probes
     and promotes both groups' blocks, checked by the fake model."""
     a = _engine(make_engine, master.address, sliding_window=32)
@@ -66,7 +68,7 @@ def test_a_model_with_a_sliding_window_group_is_shared_too(make_engine, master):
     b.assert_idle()
 
 
-def test_corrupted_values_are_recomputed_by_the_reader(make_engine, master):
+def test_corrupted_values_are_recomputed_by_the_reader(master, make_engine):
     a, b = _engine(make_engine, master.address), _engine(make_engine, master.address)
     req = _serve(a, "a", PROMPT)
     tier = a.worker.worker.tier
@@ -101,7 +103,7 @@ def test_an_unreachable_master_serves_without_the_tier_or_refuses(make_engine, c
         _engine(make_engine, address, mooncake_required=True)
 
 
-def test_copies_dropped_for_the_device_are_still_written_through_once(make_engine, master):
+def test_copies_dropped_for_the_device_are_still_written_through_once(master, make_engine):
     """``device_copies: drop`` on a CPU tier smaller than the device, two KV cache
     groups, prefill in chunks of 2 blocks (so copies of a running request drop): every
     (group, block) reaches the store once, and a second engine serves
@@ -128,7 +130,7 @@ def test_copies_dropped_for_the_device_are_still_written_through_once(make_engin
 DOC = [(i * 5) % 89 + 1 for i in range(20 * BS + 1)]  # 20 blocks
 
 
-def test_a_hit_longer_than_the_readers_cpu_tier_is_staged_whole(make_engine, master):
+def test_a_hit_longer_than_the_readers_cpu_tier_is_staged_whole(master, make_engine):
     """The reader's CPU tier holds 6 blocks: the 20-block hit it probed comes back in
     rounds through it, every block read from the store."""
     a = _engine(make_engine, master.address, num_gpu_blocks=32)
@@ -143,7 +145,7 @@ def test_a_hit_longer_than_the_readers_cpu_tier_is_staged_whole(make_engine, mas
 
 
 def test_a_block_gone_between_the_query_and_the_read_ends_the_staged_hit_there(
-        make_engine, master):
+        master, make_engine):
     """Removed from the store once the reader's existence query found it, before its
     read: the read fails, and the hit ends at that block (the rest recomputed)."""
     a = _engine(make_engine, master.address, num_gpu_blocks=32)

@@ -88,6 +88,8 @@ PROMPT = [(i * 5) % 83 + 1 for i in range(4 * BS + 1)]
 
 @pytest.fixture
 def master(tmp_path):
+    """Requested before ``make_engine``, so it stops after the engines: a client
+    closing against a stopped master retries its unmount for ~10 s."""
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
@@ -131,7 +133,7 @@ def _make_raise(engine, call):
 
 @pytest.mark.parametrize("call", BATCH_CALLS)
 def test_an_engine_whose_batch_call_raises_recomputes_with_the_right_tokens(
-        make_engine, master, call):
+        master, make_engine, call):
     writer, reader = _engine(make_engine, master.address), _engine(make_engine, master.address)
     if call == "batch_put_from_multi_buffers":
         _make_raise(writer, call)

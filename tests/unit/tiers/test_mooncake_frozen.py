@@ -43,12 +43,14 @@ def _serve(engine, req_id, prompt):
 
 @pytest.fixture
 def master(tmp_path):
+    """Requested before ``make_engine``, so it stops after the engines: a client
+    closing against a stopped master retries its unmount for ~10 s."""
     with MooncakeMaster(str(tmp_path / "master.log")) as m:
         yield m
         os.killpg(m.proc.pid, signal.SIGCONT)  # never leave it stopped
 
 
-def test_a_frozen_master_costs_one_timeout_then_the_tier_comes_back(make_engine, master):
+def test_a_frozen_master_costs_one_timeout_then_the_tier_comes_back(master, make_engine):
     writer, reader = _engine(make_engine, master.address), _engine(make_engine, master.address)
     for seed in (0, 1):
         _serve(writer, f"w{seed}", _prompt(seed))
