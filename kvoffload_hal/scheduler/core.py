@@ -209,13 +209,16 @@ class OffloadScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         for req_id in scheduler_output.preempted_req_ids or ():
             self.policy.on_preempted(req_id)
+        for part in self._parts:
+            part.release_unallocated()
+        # Staged hits take the CPU room first: a request waits on them, while stores
+        # not sent now are offered again, and would otherwise take every free block
+        # each step (a small tier behind a lazy store's window never has room left).
+        self.staged.advance()
         picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)
         self.stores.queue(picker)
-        for part in self._parts:
-            part.release_unallocated()
         self.prefetch.step()
-        self.staged.advance()
         load = self.loads.take_job()
         return OffloadMetadata(load=load, store=self.stores.take_job(),
                                tier=self.cascade.take_jobs(), rounds=self.staged.take_rounds(),

@@ -29,6 +29,7 @@ import pytest
 from kvoffload_hal.demo.inprocess import EngineSpec, close_llm, make_llm, scheduler_connector
 from kvoffload_hal.demo.tiny_model import synthetic_text
 from support.engines import drain_transfers
+from support.hybrid_runs import why_vllm_cannot_run
 
 pytestmark = pytest.mark.e2e
 
@@ -71,26 +72,6 @@ def _spec(model, model_dir, **kwargs):
     return EngineSpec(model_dir, dtype=m["dtype"], max_model_len=m["max_len"], **kwargs)
 
 
-def _why_not_runnable(exc: BaseException) -> str | None:
-    """vLLM's own refusal or failure to run a linear-attention model with prefix
-    caching on its CPU platform, else None. Seen on vLLM 0.23: on AMX hosts it
-    turns prefix caching off for linear attention, then refuses --mamba-block-size;
-    elsewhere its CPU fused-MoE builds a custom op outside the config context,
-    or its CPU Gated DeltaNet kernel rejects the state dtype it picked itself
-    ('Input tensor dtype mismatch', on AVX512-BF16 hosts)."""
-    import traceback
-
-    if "--mamba-block-size can only be set with --enable-prefix-caching" in str(exc):
-        return "its CPU platform turns prefix caching off for linear attention"
-    frames = traceback.extract_tb(exc.__traceback__)
-    first_line = str(exc).split(". ")[0][:60]
-    if any(f.filename.endswith("cpu_fused_moe.py") for f in frames):
-        return f"its CPU fused MoE fails ({first_line!r})"
-    if any("/mamba/ops/cpu/" in f.filename for f in frames):
-        return f"its CPU linear-attention kernel fails ({first_line!r})"
-    return None
-
-
 def _start(spec):
     """The engine, or a skip where this vLLM cannot run Qwen3-Next with prefix
     caching on CPU (found once, from vLLM's behaviour, then remembered)."""
@@ -109,7 +90,7 @@ def _skip_if_vllm_cannot(spec, exc: BaseException) -> None:
     """Skip (and remember why) where ``exc`` is vLLM's own failure; return otherwise.
     A run with the connector never skips: its failure is ours unless the run
     without it failed the same way first (the baselines run first)."""
-    reason = _why_not_runnable(exc)
+    reason = why_vllm_cannot_run(exc)
     if reason is None or spec.offload:
         return
     _CANNOT_RUN[spec.model] = ("this vLLM cannot run Qwen3-Next with prefix caching "
