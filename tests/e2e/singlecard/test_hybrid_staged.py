@@ -96,24 +96,27 @@ def test_a_mamba_disk_hit_longer_than_the_cpu_tier_comes_back_whole(request, tmp
     """Fails without staged hits taking the CPU room before stores: no token cached."""
     model_dir = request.getfixturevalue("tiny_qwen3_next_dir")
 
-    def spec(offload, block=None):
-        # One block id covers one layer's page of every group: block x 1 KV head x 64 x
-        # K+V x bf16 (Mamba pages padded to it); vLLM picks the block per host.
+    def spec(block=None):
+        """Without the connector; with it (and a CPU tier of 5 blocks) given the block
+        size vLLM picked for this host. One block id covers one layer's page of every
+        group: block x 1 KV head x 64 x K+V x bf16 (Mamba pages padded to it)."""
+        if block is None:
+            return EngineSpec(model_dir, num_gpu_blocks=16, max_model_len=2048,
+                              dtype="bfloat16", max_num_seqs=2)
         return EngineSpec(model_dir, num_gpu_blocks=16, max_model_len=2048, dtype="bfloat16",
-                          max_num_seqs=2, offload=offload,
-                          cpu_bytes_to_use=5 * (block or 1) * 64 * 2 * 2,
-                          extra_config={"disk_path": str(tmp_path / f"kv-{offload}"),
+                          max_num_seqs=2, offload=True, cpu_bytes_to_use=5 * block * 64 * 2 * 2,
+                          extra_config={"disk_path": str(tmp_path / "kv"),
                                         "disk_bytes_to_use": 64 << 20})
 
     try:
-        base_first, base_again, _, _, block = _run(spec(False), words=1000, others=4)
+        base_first, base_again, _, _, block = _run(spec(), words=1000, others=4)
     except Exception as exc:  # vLLM alone, no connector: not ours to test
         reason = why_vllm_cannot_run(exc)
         if reason is None:
             raise
         pytest.skip(f"this vLLM cannot run Qwen3-Next with prefix caching on CPU: {reason}")
     assert base_again.num_cached_tokens == 0  # evicted from the device
-    first, again, totals, groups, _ = _run(spec(True, block), words=1000, others=4)
+    first, again, totals, groups, _ = _run(spec(block), words=1000, others=4)
     assert groups == 4
     assert first.outputs[0].token_ids == base_first.outputs[0].token_ids
     assert again.outputs[0].token_ids == base_again.outputs[0].token_ids
@@ -122,4 +125,5 @@ def test_a_mamba_disk_hit_longer_than_the_cpu_tier_comes_back_whole(request, tmp
     assert again.num_cached_tokens == full_blocks * block  # every full block served
     assert totals["staged_hits"] == 1
     assert totals["blocks_from_disk"] >= 1
-
+    # Every attention block and the three states at the hit's end, loaded once.
+    assert totals["blocks_loaded"] == full_blocks + 3
