@@ -42,6 +42,10 @@ class LoadRecovery(Enum):
              "engine stops with an error, before any block is read")
 
 
+class LoadFailedError(RuntimeError):
+    """A load failed where this vLLM cannot recompute it (``LoadRecovery.RETRY``)."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     single_group: bool

@@ -87,7 +87,7 @@ class OffloadScheduler:
         self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads,
                               recovery=self._say_load_recovery())
         self.staged = StagedHits(self.cascade, self.loads, self.cpu, self.stats, block_size,
-                                 enabled=self.caps.load_recovery is not LoadRecovery.RETRY)
+                                 check_first=self.caps.load_recovery is LoadRecovery.RETRY)
         self.cascade.bind_copies(self._copies_in_flight)
         self.prefetch = build_prefetcher(config, self.caps.secondary_tier, self.cpu,
                                          self.cascade, block_size, self.stats)

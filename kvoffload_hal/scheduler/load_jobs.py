@@ -45,17 +45,13 @@ from typing import TYPE_CHECKING, NamedTuple
 from vllm.utils.math_utils import cdiv
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.capabilities import LoadRecovery
+from kvoffload_hal.capabilities import LoadFailedError, LoadRecovery
 from kvoffload_hal.metadata import JobReport, LoadSpec
 from kvoffload_hal.scheduler.cpu_tier import Hit, pin_ids, unpin_ids
 from kvoffload_hal.scheduler.jobs import JobBook
 from kvoffload_hal.scheduler.parts import RequestPart
 
 MAX_LOAD_ATTEMPTS = 3
-
-
-class LoadFailedError(RuntimeError):
-    """A load failed every attempt where this vLLM cannot recompute it."""
 
 
 if TYPE_CHECKING:

@@ -11,14 +11,15 @@
   which sends the load again.
 * A **staged hit's round** (:mod:`kvoffload_hal.scheduler.cascade.staged`): an earlier round is
   reported in the worker metadata and a failure kept for the last round, which
-  finishes the request, failed if any of its rounds failed or left blocks unfilled.
+  finishes the request, failed if any of its rounds failed or left blocks unfilled
+  (with load recovery ``retry`` the engine stops instead: the hit was checked first).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvoffload_hal.capabilities import LoadRecovery
+from kvoffload_hal.capabilities import LoadFailedError, LoadRecovery
 from kvoffload_hal.metadata import JobReport, LoadSpec, OffloadWorkerMetadata
 
 if TYPE_CHECKING:
@@ -84,6 +85,14 @@ class LoadOutcomes:
         failed = [*spec.failed_gpu_blocks, *self._failed_rounds.pop(req_id, ())]
         if not ok:
             failed += spec.gpu_blocks
+        if failed and self.caps.load_recovery is LoadRecovery.RETRY:
+            # The hit was checked (scheduler/cascade/staged_check.py) and its last copy
+            # still failed: this vLLM would read the blocks, it cannot recompute them.
+            raise LoadFailedError(
+                f"HALOffloadConnector: the last copy of request {req_id}'s staged KV hit "
+                f"failed ({len(failed)} device blocks unfilled), and this vLLM cannot "
+                "recompute a failed load of this model (several KV cache groups); stopping "
+                "before its blocks are read. vLLM >= 0.32 recomputes instead")
         self.finished.add(req_id)
         if failed:
             self._fail(spec.req_ids, failed, reports)

@@ -29,9 +29,11 @@ one group, and vLLM recomputes from it; per request with several, and vLLM recom
 the request); so is the rest of a hit that found no free CPU block for
 :data:`MAX_STAGE_WAIT_S`. The request is then offered no hit again.
 
-Staging serves any model on any tier, where vLLM can be told that a load failed: with
-several groups, vLLM 0.32 and later (``LoadRecovery.REQUESTS``); on 0.23 such a model
-promotes what fits. On a tier shared across instances the run is what an existence
+Staging serves any model on any tier. Where vLLM cannot be told that a load of several
+groups failed (vLLM < 0.32, ``LoadRecovery.RETRY``), a check reads the hit's tier blocks
+once before it is offered, so a failed block ends the hit there before vLLM allocates
+(:mod:`.staged_check`); a failure after that offer stops the engine before any block of
+the hit is read. On a tier shared across instances the run is what an existence
 query found (the first lookup asks, the next one stages); a hit is staged only while
 the tier's circuit breaker is closed, and a read that does not land within the tier's
 wait ends the hit there, as does a block that vanished from the store between the query
@@ -40,7 +42,6 @@ and the read (its read fails).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -48,9 +49,11 @@ from typing import TYPE_CHECKING, Any
 from vllm.utils.math_utils import cdiv
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.hal.plumbing import log_once
-from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import LoadSpec
+from kvoffload_hal.scheduler.cascade.staged_check import (
+    StagedChecks,
+    starved_for_long,
+)
 from kvoffload_hal.scheduler.cascade.staged_plan import NotStaged, Round, Slot, Staged, plan_hit
 from kvoffload_hal.scheduler.load_jobs import RoundJob
 from kvoffload_hal.scheduler.parts import RequestPart
@@ -66,10 +69,6 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.scheduler.load_jobs import LoadJobs
 
-# The longest a staged hit waits for a free CPU block before the rest is recomputed.
-MAX_STAGE_WAIT_S = 10.0
-
-logger = init_logger(__name__)
 
 
 class StagedHits(RequestPart):
@@ -81,14 +80,15 @@ class StagedHits(RequestPart):
     """
 
     def __init__(self, cascade: TierCascade, loads: LoadJobs, cpu: CpuTier,
-                 stats: StatsLedger, block_size: int, enabled: bool,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 stats: StatsLedger, block_size: int, check_first: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # (.staged_check)
         self.cascade = cascade
         self.loads = loads
         self.cpu = cpu
         self.stats = stats
         self.block_size = block_size
-        self.enabled = enabled and cascade.stages
+        self.enabled = cascade.stages
+        self.checks = StagedChecks(cascade, cpu, check_first, clock)
         self._clock = clock
         self._pending: dict[str, Staged] = {}  # offered, not allocated yet
         self._active: dict[str, Staged] = {}
@@ -103,27 +103,34 @@ class StagedHits(RequestPart):
         staged, None when a staged hit brings its blocks (it asks again later)."""
         if not (self.enabled and self.cascade.may_stage()):
             return 0
-        bs = self.block_size
+        bs, req_id = self.block_size, request.request_id
+        max_hit_tokens = self.checks.limit(req_id, num_computed_tokens, max_hit_tokens, bs)
+        if max_hit_tokens <= hit_tokens:  # a check stopped within the CPU hit
+            self.checks.forget(req_id)
+            return 0
         run = request.block_hashes[(num_computed_tokens + hit_tokens) // bs:
                                    (num_computed_tokens + max_hit_tokens) // bs]
         # (A hit on busy CPU blocks waited already: LoadJobs.wait_for_shared_load.)
-        if self._owners and any(k in self._owners for k in self.cascade.groups.keys(run)):
-            self.loads.note_wait(request.request_id)
+        if any(k in self._owners or self.checks.owned_by_another(k, req_id)
+               for k in self.cascade.groups.keys(run)):
+            self.loads.note_wait(req_id)
             return None
-        staged = plan_hit(self.cascade, self.cpu, request.request_id, hit,
-                          request.block_hashes, num_computed_tokens // bs, run,
-                          max_hit_tokens, self._clock())
+        staged = plan_hit(self.cascade, self.cpu, req_id, hit, request.block_hashes,
+                          num_computed_tokens // bs, run, max_hit_tokens, self._clock())
         if staged is NotStaged.WAIT:
             return None
         if staged is NotStaged.FITS:
+            self.checks.forget(req_id)
             return 0
+        if self.checks.still_reading(staged, num_computed_tokens // bs):
+            return None
         staged.num_computed_tokens = num_computed_tokens
         self.cpu.pin([b for _, b in staged.cpu])
         self.loads.hold_busy(b.block_id for _, b in staged.cpu)
         self.cascade.index.pin(staged.keys)
         self._owners.update((key, staged.req_id) for key in staged.keys)
-        self._pending[staged.req_id] = staged
-        self.cascade.release_promoted(staged.req_id)  # a prefetch's blocks: pinned above
+        self._pending[req_id] = staged
+        self.cascade.release_promoted(req_id)  # a prefetch's blocks: pinned above
         return staged.num_tokens
 
     def on_lookup(self, req_id: str) -> None:
@@ -192,7 +199,10 @@ class StagedHits(RequestPart):
             if not staged.stops() and not staged.promoting:
                 starving |= not self._promote_next(staged)
             if staged.stops() and not staged.promoting and not staged.rounds:
-                self._queued.append(staged.take_final())
+                final = staged.take_final()
+                self.checks.refuse_failure(staged, final)
+                self._queued.append(final)
+        starving |= self.checks.advance()
         if self.enabled:
             self.cascade.suspend_promotions(starving)
 
@@ -207,10 +217,7 @@ class StagedHits(RequestPart):
         n = min(self.cascade.room(), len(staged.tier) - staged.next)
         now = self._clock()
         if n <= 0:
-            if now - staged.since > MAX_STAGE_WAIT_S:
-                log_once(logger, logging.WARNING, "%s: a staged hit found no free CPU "
-                         "block for %.0f s; the rest of its prompt is recomputed",
-                         self.cascade.names.label, MAX_STAGE_WAIT_S)
+            if starved_for_long(staged.since, now, self.cascade.names.label, "a staged hit"):
                 staged.fail_rest()
             return False
         part = staged.tier[staged.next:staged.next + n]
@@ -240,19 +247,12 @@ class StagedHits(RequestPart):
     def take_rounds(self) -> tuple[LoadSpec, ...]:
         """This step's rounds, numbered after the step's other load job (the workers
         launch them after it, and their copy queues go by job id)."""
-        specs = []
-        for r in self._queued:
-            cpu_ids = [b.block_id for b in r.cpu_blocks]
-            if r.failed is None:
-                job_id = self.loads.send_round(RoundJob(r.req_id, r.cpu_blocks,
-                                                        self._on_round_done))
-                specs.append(LoadSpec(job_id, (r.req_id,), cpu_ids, r.gpu_ids, staged=True,
-                                      final=False))
-            else:
-                specs.append(LoadSpec(self.loads.new_job_id(), (r.req_id,), cpu_ids, r.gpu_ids,
-                                      staged=True, final=True, failed_gpu_blocks=r.failed))
+        specs = tuple(r.spec(self.loads.new_job_id() if r.failed is not None else
+                             self.loads.send_round(RoundJob(r.req_id, r.cpu_blocks,
+                                                            self._on_round_done)))
+                      for r in self._queued)
         self._queued.clear()
-        return tuple(specs)
+        return specs
 
     # ------------------------------------------------------------ reports
     def _on_round_done(self, job: RoundJob, ok: bool) -> None:
@@ -297,6 +297,7 @@ class StagedHits(RequestPart):
     def request_finished(self, req_id: str) -> bool:
         """True while vLLM must keep the request's blocks (its last round is to come)."""
         self.release_pending(req_id)
+        self.checks.forget(req_id)
         staged = self._active.get(req_id)
         if staged is None:
             return False
@@ -309,9 +310,13 @@ class StagedHits(RequestPart):
         (the rest is recomputed). Rounds and promotions in flight run to their end."""
         for req_id in list(self._pending):
             self.release_pending(req_id)
+        self.checks.reset()
+        if self.checks.enabled:
+            return  # this vLLM cannot recompute the rest: served whole (its keys pinned)
         for staged in self._active.values():
             if not staged.stops():
                 staged.fail_rest()
 
     def has_pending(self) -> bool:
-        return bool(self._pending or self._active or self._landed or self._queued)
+        return bool(self._pending or self._active or self._landed or self._queued
+                    or self.checks.has_pending())

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvoffload_hal.metadata import LoadSpec
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
@@ -157,3 +158,9 @@ class Round:
     cpu_blocks: list[KVCacheBlock]
     gpu_ids: list[int]
     failed: tuple[int, ...] | None = None
+
+    def spec(self, job_id: int) -> LoadSpec:
+        """The round as the workers get it."""
+        return LoadSpec(job_id, (self.req_id,), [b.block_id for b in self.cpu_blocks],
+                        self.gpu_ids, staged=True, final=self.failed is not None,
+                        failed_gpu_blocks=self.failed or ())

@@ -161,8 +161,9 @@ def _check(model, outputs, summary, base):
         assert out[2] == pytest.approx(base_out[2], abs=1e-4), f"{model} request {i}"
     second = [out[0] for out in outputs[NUM_DOCS:]]
     assert all(c >= summary["block"] for c in second), second  # served from our tier
-    assert [out[3] for out in outputs[NUM_DOCS:]] == second  # all of it from the CPU tier
     totals = summary["totals"]
+    # All of it from the CPU tier (the counters say why not: a failed load, a wait).
+    assert [out[3] for out in outputs[NUM_DOCS:]] == second, totals
     assert summary["groups"] > 1
     assert totals["cpu_hit_tokens"] == sum(second)
     assert totals["blocks_loaded"] >= summary["groups"] * len(second)

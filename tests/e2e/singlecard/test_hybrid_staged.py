@@ -16,9 +16,9 @@ stores do: the lazy store's window, larger than such a tier, once took every fre
 each step, and the hit waited until it gave up.
 
 vLLM 0.23 cannot be told that a load of such a model failed (no per-request report):
-a staged read that fails could not be recomputed, so there the hit is not staged and
-what fits is promoted; the tokens are still the same (Qwen3-Next is not run there: its
-CPU platform has no prefix caching for it).
+there the hit's disk blocks are read once before it is offered
+(``kvoffload_hal/scheduler/cascade/staged_check.py``), then staged the same way
+(Qwen3-Next is not run there: its CPU platform has no prefix caching for it).
 """
 
 import pytest
@@ -80,18 +80,19 @@ def test_a_hybrid_disk_hit_longer_than_the_cpu_tier_comes_back_whole(tiny_gemma3
     assert again.outputs[0].token_ids == base_again.outputs[0].token_ids
     full_blocks = (len(again.prompt_token_ids) - 1) // BLOCK
     assert full_blocks * groups > CPU_BLOCKS  # a plain promotion could not bring it back
-    if not vllm_compat.REPORTS_FAILED_RECVING:
-        assert totals.get("staged_hits", 0) == 0  # vLLM 0.23: what fits is promoted
-        return
     assert again.num_cached_tokens == full_blocks * BLOCK  # every full block served
     assert totals["staged_hits"] == 1
     # Every global block, and each window's last two blocks (three sliding groups).
-    assert totals["blocks_from_disk"] == full_blocks + 3 * 2
+    needed = full_blocks + 3 * 2
+    assert totals["blocks_loaded"] == needed
+    if vllm_compat.REPORTS_FAILED_RECVING:
+        assert totals["blocks_from_disk"] == needed
+    else:  # checked first: read twice, but for what the check left in the CPU tier
+        assert needed < totals["blocks_from_disk"] <= 2 * needed
 
 
-@pytest.mark.skipif(not vllm_compat.REPORTS_FAILED_RECVING, reason="vLLM < 0.32 stages no "
-                    "hit of several groups, and its CPU platform has no prefix caching for "
-                    "Qwen3-Next")
+@pytest.mark.skipif(not vllm_compat.REPORTS_FAILED_RECVING, reason="vLLM < 0.32: its CPU "
+                    "platform has no prefix caching for Qwen3-Next")
 def test_a_mamba_disk_hit_longer_than_the_cpu_tier_comes_back_whole(request, tmp_path):
     """Fails without staged hits taking the CPU room before stores: no token cached."""
     model_dir = request.getfixturevalue("tiny_qwen3_next_dir")

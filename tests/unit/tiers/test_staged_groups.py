@@ -5,12 +5,18 @@ sliding-window ones (a 32-token window: the last two blocks before a hit's end).
 fake model of ``engine_harness.py`` checks every KV read, in every group: a block
 loaded into the wrong place, read before it landed, or missing from a window fails
 the test unless it was reported as a failed load.
+
+vLLM < 0.32 cannot be told that a load of several groups failed: there a hit's tier
+blocks are read once (checked) before it is offered (scheduler/cascade/staged_check.py).
 """
 
 import pytest
 
 from kvoffload_hal import vllm_compat
+from kvoffload_hal.capabilities import LoadFailedError
 from support.disk_files import flip_a_byte_of_block
+
+CHECKS_FIRST = not vllm_compat.REPORTS_FAILED_RECVING
 
 BS = 16
 PAGE = BS * 128
@@ -18,11 +24,6 @@ DOC_BLOCKS = 20
 CPU_BLOCKS = 12  # a plain promotion of a document needs 4 x 20 blocks
 FULL, SLIDING, WINDOW_BLOCKS = 2, 2, 2
 HIT_BLOCKS = FULL * DOC_BLOCKS + SLIDING * WINDOW_BLOCKS  # what the hit needs: 44
-
-needs_per_request_recovery = pytest.mark.skipif(
-    not vllm_compat.REPORTS_FAILED_RECVING,
-    reason="vLLM < 0.32 takes no failed load per request for several groups: not staged")
-
 
 def _engine(make_engine, tmp_path, **kwargs):
     # Prefill 2 positions per step: each step's 8 blocks fit the CPU tier on their way
@@ -61,7 +62,33 @@ def _delta(engine, before, key):
     return engine.offload.totals.data.get(key, 0) - before.get(key, 0)
 
 
-@needs_per_request_recovery
+def _longest_hit_within(engine, block_hashes, end):
+    """The most blocks before ``end`` whose sliding windows the CPU or the disk tier
+    holds (where the window's blocks were stored)."""
+    offload = engine.offload
+    groups, index = offload.cascade.groups, offload.cascade.index
+    sliding = [g for g in groups.groups if g not in groups.dense]
+    for n in range(end, 0, -1):
+        window = block_hashes[max(0, n - WINDOW_BLOCKS):n]
+        if all(index.is_ready(k) or offload.cpu.holds(h)
+               for bh in window for k, h in groups.at(bh, sliding)):
+            return n
+    return 0
+
+
+def _promoted_before_first_round(engine, since):
+    """Blocks read from the tier before the first round of a staged hit was sent."""
+    n = 0
+    for meta in engine.sent[since:]:
+        if meta is None:
+            continue
+        if meta.rounds:
+            return n
+        if meta.tier.promote is not None:
+            n += len(meta.tier.promote.items)
+    return n
+
+
 def test_a_hybrid_hit_longer_than_the_cpu_tier_comes_back_whole(make_engine, tmp_path):
     engine = _engine(make_engine, tmp_path)
     doc = _doc(1)
@@ -73,29 +100,34 @@ def test_a_hybrid_hit_longer_than_the_cpu_tier_comes_back_whole(make_engine, tmp
     assert _delta(engine, before, "staged_hits") == 1
     # Every full-attention block, and of each sliding-window group only its window.
     assert _delta(engine, before, "blocks_loaded") == HIT_BLOCKS
-    assert HIT_BLOCKS - CPU_BLOCKS <= _delta(engine, before, "blocks_from_disk") <= HIT_BLOCKS
+    # Checked first: read once more, but for what the check left in the CPU tier.
+    reads = 2 * HIT_BLOCKS if CHECKS_FIRST else HIT_BLOCKS
+    assert HIT_BLOCKS - CPU_BLOCKS <= _delta(engine, before, "blocks_from_disk") <= reads
     rounds = _rounds(engine, sent)
     assert len(rounds) >= HIT_BLOCKS // CPU_BLOCKS and sum(r.final for r in rounds) == 1
     assert all(len(r.cpu_blocks) <= CPU_BLOCKS for r in rounds)
     engine.assert_idle()  # every CPU, device and tier pin released
 
 
-@pytest.mark.skipif(vllm_compat.REPORTS_FAILED_RECVING, reason="vLLM < 0.32 only")
-def test_without_per_request_recovery_a_hybrid_hit_promotes_what_fits(make_engine, tmp_path):
-    """vLLM < 0.32 cannot be told that a load of several groups failed: a staged read
-    that fails could not be recomputed, so what fits is promoted instead."""
+@pytest.mark.skipif(not CHECKS_FIRST, reason="vLLM >= 0.32 recomputes a failed load")
+def test_without_per_request_recovery_every_tier_block_is_read_before_the_offer(
+        make_engine, tmp_path):
+    """No round is sent (no device block allocated) before the check read every block
+    the hit brings from the tier."""
     engine = _engine(make_engine, tmp_path)
     doc = _doc(1)
     _on_disk_only(engine, doc)
-    before = dict(engine.offload.totals.data)
+    before, sent = dict(engine.offload.totals.data), len(engine.sent)
     _serve(engine, ("again", doc))
     assert engine.outputs["again"] == engine.outputs["first"]
-    assert _delta(engine, before, "staged_hits") == 0
-    assert engine.cached_tokens["again"] < DOC_BLOCKS * BS
+    assert engine.cached_tokens["again"] == DOC_BLOCKS * BS
+    assert _delta(engine, before, "staged_hits") == 1
+    # (The CPU tier may still hold some of it: at most its size.)
+    assert _promoted_before_first_round(engine, sent) >= HIT_BLOCKS - CPU_BLOCKS
     engine.assert_idle()
 
 
-@needs_per_request_recovery
+@pytest.mark.skipif(CHECKS_FIRST, reason="vLLM < 0.32: the check ends the hit before it")
 def test_a_corrupted_block_in_the_middle_ends_the_hybrid_hit_there(make_engine, tmp_path):
     """Nothing after it is read or loaded; vLLM takes a failed load of several groups
     per request, and recomputes the request."""
@@ -118,7 +150,31 @@ def test_a_corrupted_block_in_the_middle_ends_the_hybrid_hit_there(make_engine, 
     engine.assert_idle()
 
 
-@needs_per_request_recovery
+@pytest.mark.skipif(not CHECKS_FIRST, reason="vLLM >= 0.32 recomputes a failed load")
+def test_a_corrupted_block_found_by_the_check_ends_the_hybrid_hit_before_it(make_engine,
+                                                                           tmp_path):
+    """The check reads the block before the hit is offered: the hit offered is the
+    longest one before it, all of it comes back, and nothing is reported failed."""
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    first = _on_disk_only(engine, doc)
+    bad = 11
+    flip_a_byte_of_block(engine.worker.worker.tier.root, first.block_hashes[bad])
+    n = _longest_hit_within(engine, first.block_hashes, bad)
+    assert n >= WINDOW_BLOCKS
+    before, sent = dict(engine.offload.totals.data), len(engine.sent)
+    _serve(engine, ("again", doc))
+    assert engine.outputs["again"] == engine.outputs["first"]
+    assert engine.cached_tokens["again"] == n * BS
+    assert _delta(engine, before, "staged_hits") == 1
+    # Every full-attention block of the hit, and each window at its end.
+    assert _delta(engine, before, "blocks_loaded") == FULL * n + SLIDING * WINDOW_BLOCKS
+    assert sum(r.final for r in _rounds(engine, sent)) == 1
+    assert not engine.offload.loads.failed_requests
+    engine.assert_idle()
+
+
+@pytest.mark.skipif(CHECKS_FIRST, reason="vLLM < 0.32 stops: see the test after")
 def test_a_failed_round_ends_the_hybrid_hit(make_engine, tmp_path):
     """Its copy failed: no later round is promoted or sent, the request recomputes, and
     it is not staged again (a retry would fail the same way)."""
@@ -140,7 +196,41 @@ def test_a_failed_round_ends_the_hybrid_hit(make_engine, tmp_path):
     engine.assert_idle()
 
 
-@needs_per_request_recovery
+@pytest.mark.skipif(not CHECKS_FIRST, reason="vLLM >= 0.32 recomputes a failed load")
+def test_without_per_request_recovery_a_round_that_fails_after_the_check_stops(
+        make_engine, tmp_path):
+    """A copy that fails once the hit was checked cannot be recomputed by this vLLM: the
+    engine stops before the request reads a block (the fake model would fail the test
+    on an unfilled block it read)."""
+    from support import flaky_backend  # noqa: F401 (registers flaky-loads: one load fails)
+
+    engine = _engine(make_engine, tmp_path, backend="flaky-loads")
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    engine.add("again", doc)
+    with pytest.raises(LoadFailedError, match="staged KV hit of request again failed"):
+        engine.run_until_done(max_steps=3000)
+    assert engine.worker.worker.backend.failed_loads == 1
+    assert not engine.outputs["again"]  # no token: it never ran
+
+
+def test_requests_on_one_hybrid_hit_read_it_once(make_engine, tmp_path):
+    """Two requests on the document arrive together: one checks (vLLM < 0.32) and stages
+    the hit, the other waits for it and takes the device prefix-cache hit."""
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    before = dict(engine.offload.totals.data)
+    _serve(engine, ("again-0", doc), ("again-1", doc))
+    for req_id in ("again-0", "again-1"):
+        assert engine.outputs[req_id] == engine.outputs["first"]
+        assert engine.cached_tokens[req_id] == DOC_BLOCKS * BS
+    assert _delta(engine, before, "staged_hits") == 1
+    reads = 2 * HIT_BLOCKS if CHECKS_FIRST else HIT_BLOCKS
+    assert _delta(engine, before, "blocks_from_disk") <= reads
+    engine.assert_idle()
+
+
 def test_a_hybrid_rounds_cpu_blocks_wait_for_every_rank(make_engine, tmp_path):
     """With two ranks, a round's CPU blocks stay pinned until the second one reported it."""
     from support.second_rank import SecondRank
