@@ -31,12 +31,16 @@ $(STAMP): setup.py Makefile tools/mooncake_libs.sh
 # run a real model (its only build is the GPU wheel: no CPU kernels).
 test: lint test-vllm032 test-vllm023 test-vllm033
 
-# A lane: the unit tests in UNIT_JOBS processes (pytest-xdist, each file's tests in
-# one of them), then the e2e tests one at a time (their engines bind a thread to
-# every core). Both parts run, and the lane fails if either did.
-UNIT_JOBS ?= 2
-lane = $(1) -m pytest -n $(UNIT_JOBS) --dist loadfile tests/unit; unit=$$?; \
-	$(1) -m pytest tests/e2e; e2e=$$?; test $$unit -eq 0 && test $$e2e -eq 0
+# A lane: the unit tests, then the e2e tests, in JOBS processes (pytest-xdist, each
+# file's tests in one of them, each process and the engines it starts on a core of
+# its own: tests/conftest.py), then the e2e tests whose ranks take a core each
+# (marked two_cores), one at a time. Every part runs; the lane fails if one did.
+JOBS ?= 2
+xdist = -n $(JOBS) --dist loadfile
+lane = $(1) -m pytest $(xdist) tests/unit; unit=$$?; \
+	$(1) -m pytest $(xdist) -m 'not two_cores' tests/e2e; e2e=$$?; \
+	$(1) -m pytest -m two_cores tests/e2e; ranks=$$?; \
+	test $$unit -eq 0 && test $$e2e -eq 0 && test $$ranks -eq 0
 
 test-vllm032: venv
 	$(call lane,$(PY))
@@ -51,7 +55,7 @@ lint: venv
 	$(PY) -m ruff check .
 
 test-unit: venv
-	$(PY) -m pytest -n $(UNIT_JOBS) --dist loadfile tests/unit
+	$(PY) -m pytest $(xdist) tests/unit
 
 test-e2e: venv
 	$(PY) -m pytest tests/e2e

@@ -1,10 +1,30 @@
 """Fixtures shared by every suite, and the platform the suite runs vLLM on."""
 
+import os
+
 import pytest
 
 from support.vllm_build import cpu_kernels_missing, use_cpu_platform
 
 use_cpu_platform()  # before anything asks vLLM for its platform (support/vllm_build.py)
+
+
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist (``make test`` runs tests in one process per core), each
+    process and the engines it starts keep to a core of their own: vLLM's CPU worker
+    binds an OpenMP thread to every core it is given, and two engines sharing the cores
+    would each wait on the other's spinning threads. Tests whose ranks need a core each
+    (marked ``two_cores``) run outside xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    cores = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or len(cores) < 2:
+        return
+    core = cores[int(worker[2:]) % len(cores)]
+    os.sched_setaffinity(0, {core})  # inherited by every process it starts
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+
+
+_one_core_per_worker()
 
 
 def pytest_collection_modifyitems(config, items):

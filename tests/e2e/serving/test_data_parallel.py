@@ -34,7 +34,7 @@ def _old_vllm() -> bool:
     return tuple(int(x) for x in vllm.__version__.split(".")[:2]) < (0, 32)
 
 
-pytestmark = [pytest.mark.e2e,
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores,
               pytest.mark.skipif(_old_vllm(), reason="data parallel behind the OpenAI "
                                  "server is run on vLLM 0.32 only (not started on 0.23)")]
 needs_mooncake = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))

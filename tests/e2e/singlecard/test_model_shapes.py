@@ -34,7 +34,7 @@ def check_served_from_cpu(baseline, outputs, totals) -> None:
     assert totals["blocks_loaded"] == NUM_DOCS * HIT // 32
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.two_cores)])
 def test_a_moe_model_is_token_identical_and_served_from_cpu(tiny_qwen3_moe_dir, tp,
                                                             monkeypatch):
     if tp > 1:  # vLLM's CPU workers bind OpenMP threads per rank: one core each

@@ -25,7 +25,7 @@ from kvoffload_hal.demo.inprocess import EngineSpec
 from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama, synthetic_text
 from support.engines import serve_twice
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores]
 
 NUM_DOCS = 6
 HIT = 5 * 32  # synthetic_text(180) is 181 tokens: 5 full blocks of 32

@@ -8,7 +8,7 @@ from kvoffload_hal.demo.inprocess import EngineSpec
 from kvoffload_hal.demo.tiny_model import synthetic_text
 from support.engines import serve_twice
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores]
 
 NUM_DOCS = 6
 
