@@ -33,8 +33,9 @@ test: lint test-vllm032 test-vllm023 test-vllm033
 
 # A lane: the unit tests, then the e2e tests, in JOBS processes (pytest-xdist, each
 # file's tests in one of them, each process and the engines it starts on a core of
-# its own: tests/conftest.py), then the e2e tests whose ranks take a core each
-# (marked two_cores), one at a time. Every part runs; the lane fails if one did.
+# its own: tests/conftest.py), then the e2e tests whose processes need a core each
+# (marked two_cores: ranks, or engines and a Mooncake store answering each other
+# within timeouts), one at a time. Every part runs; the lane fails if one did.
 JOBS ?= 2
 xdist = -n $(JOBS) --dist loadfile
 lane = $(1) -m pytest $(xdist) tests/unit; unit=$$?; \

@@ -13,8 +13,9 @@ def _one_core_per_worker() -> None:
     """Under pytest-xdist (``make test`` runs tests in one process per core), each
     process and the engines it starts keep to a core of their own: vLLM's CPU worker
     binds an OpenMP thread to every core it is given, and two engines sharing the cores
-    would each wait on the other's spinning threads. Tests whose ranks need a core each
-    (marked ``two_cores``) run outside xdist."""
+    would each wait on the other's spinning threads. Tests whose processes need a core
+    each (marked ``two_cores``: ranks, or engines and a store answering each other within
+    timeouts) run outside xdist."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
     cores = sorted(os.sched_getaffinity(0))
     if not worker.startswith("gw") or len(cores) < 2:

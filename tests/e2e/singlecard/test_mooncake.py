@@ -16,7 +16,7 @@ import pytest
 from kvoffload_hal.demo.tiny_model import TinyModelSpec, build_tiny_llama
 from support.mooncake_master import MooncakeMaster, skip_reason
 
-pytestmark = [pytest.mark.e2e,
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores,
               pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))]
 
 BLOCK = 32  # EngineSpec's block size

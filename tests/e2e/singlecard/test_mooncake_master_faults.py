@@ -23,7 +23,7 @@ from support.mooncake_master import MooncakeMaster, skip_reason
 from support.mooncake_server import PROMPT_BLOCKS, Probe, idle_cores, start_server
 from support.openai_server import BLOCK_SIZE, session_members
 
-pytestmark = [pytest.mark.e2e,
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores,
               pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))]
 
 CLIENT_TTL_S = 2  # the master's -client_ttl: a freeze of a few seconds outlives it

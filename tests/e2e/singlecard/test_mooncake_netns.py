@@ -28,7 +28,7 @@ import pytest
 from support import netns
 from support.mooncake_master import master_binary, skip_reason
 
-pytestmark = [pytest.mark.e2e,
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores,
               pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))]
 
 BLOCK = 32  # EngineSpec's block size
