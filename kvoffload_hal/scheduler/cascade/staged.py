@@ -111,8 +111,9 @@ class StagedHits(RequestPart):
         run = request.block_hashes[(num_computed_tokens + hit_tokens) // bs:
                                    (num_computed_tokens + max_hit_tokens) // bs]
         # (A hit on busy CPU blocks waited already: LoadJobs.wait_for_shared_load.)
-        if any(k in self._owners or self.checks.owned_by_another(k, req_id)
-               for k in self.cascade.groups.keys(run)):
+        if (self._owners or self.checks.owns_keys) and any(  # (most: nothing is owned)
+                k in self._owners or self.checks.owned_by_another(k, req_id)
+                for k in self.cascade.groups.keys(run)):
             self.loads.note_wait(req_id)
             return None
         staged = plan_hit(self.cascade, self.cpu, req_id, hit, request.block_hashes,

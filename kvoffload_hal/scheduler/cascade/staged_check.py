@@ -107,6 +107,11 @@ class StagedChecks:
                 "groups, no KVConnectorOutput.failed_recving); stopping before its blocks "
                 "are read. vLLM >= 0.32 recomputes instead")
 
+    @property
+    def owns_keys(self) -> bool:
+        """Whether any check reads tier keys now."""
+        return bool(self._owners)
+
     def owned_by_another(self, key: BlockKey, req_id: str) -> bool:
         """Whether another request's check reads ``key`` (this one waits for it, then
         takes what that one's hit left on the device)."""
