@@ -71,6 +71,7 @@ from long_doc_qa_report import (
     eviction_table,
     format_table,
     offload_label,
+    print_result,
     write_plot,
 )
 
@@ -347,7 +348,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_all(args: argparse.Namespace, model: str, vocab: int) -> list[Result]:
-    """Each engine (and each eviction policy of the offloading one) for each N."""
+    """Each engine (and each eviction policy of the offloading one) for each N.
+
+    With ``--repeats`` above 1 the runs are interleaved: each round runs every
+    engine once, so a slow spell of the host slows one run of each, not all the
+    runs of one engine."""
     results: list[Result] = []
     for n in args.num_documents:
         docs = documents(n, args.document_length, vocab)
@@ -355,23 +360,16 @@ def run_all(args: argparse.Namespace, model: str, vocab: int) -> list[Result]:
         runs_of = [(c, p, m) for c in args.configs
                    for p in (args.eviction if c == OFFLOAD else first[:1])
                    for m in (args.device_copies if c == OFFLOAD else first[1:])]
-        for config, policy, copies in runs_of:
-            runs = [run_one(config, docs, args.seed, model, args.disk_dir, policy, copies)
-                    for _ in range(args.repeats)]
+        rounds = [[run_one(config, docs, args.seed, model, args.disk_dir, policy, copies)
+                   for config, policy, copies in runs_of] for _ in range(args.repeats)]
+        for k, (config, policy, copies) in enumerate(runs_of):
+            runs = [r[k] for r in rounds]
             best = min(runs, key=lambda r: r.wall_s)
             best.extra["all_wall_s"] = [round(r.wall_s, 3) for r in runs]
             if config == OFFLOAD:
                 best.config = offload_label((policy, copies), first)
             results.append(best)
-            disk_note = (f"  from disk {best.extra['blocks_from_disk']} blocks"
-                         if config == DISK else "")
-            if best.extra.get("trace_hits"):  # hit blocks: this tier, the optimum, replays
-                disk_note += f"  trace hits {best.extra['trace_hits']}"
-            print(f"  {n:3d} docs  {best.config:25s} {best.wall_s:7.2f} s  "
-                  f"TTFT mean {best.ttft_mean * 1e3:7.0f} ms  cpu hits {best.cpu_hit_tokens}  "
-                  f"steps {best.steps}  computed {best.scheduled_tokens}  "
-                  f"preempted {best.preemptions}{disk_note}"
-                  f"  runs {best.extra['all_wall_s']}", flush=True)
+            print_result(n, best, config)
     return results
 
 

@@ -126,3 +126,16 @@ def write_plot(results: list[Result], ns: list[int], path: Path, title: str) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def print_result(n: int, best, config: str) -> None:
+    """One line for the best run of an engine: its pass, TTFT, hits, steps, runs."""
+    disk_note = (f"  from disk {best.extra['blocks_from_disk']} blocks"
+                 if config == DISK else "")
+    if best.extra.get("trace_hits"):  # hit blocks: this tier, the optimum, replays
+        disk_note += f"  trace hits {best.extra['trace_hits']}"
+    print(f"  {n:3d} docs  {best.config:25s} {best.wall_s:7.2f} s  "
+          f"TTFT mean {best.ttft_mean * 1e3:7.0f} ms  cpu hits {best.cpu_hit_tokens}  "
+          f"steps {best.steps}  computed {best.scheduled_tokens}  "
+          f"preempted {best.preemptions}{disk_note}"
+          f"  runs {best.extra['all_wall_s']}", flush=True)

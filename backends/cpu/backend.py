@@ -10,8 +10,13 @@ the completion handle is simply the measured copy time.
 
 Copies go through the small C extension ``_hostcopy``: one call per batch with
 the GIL released (a Python loop of ``ctypes.memmove`` spends as long per 16 KiB
-block as the copy itself), split across two threads for large batches because
-one core copies block-sized pieces at about half the host memory bandwidth.
+block as the copy itself). The extension can split a large batch across a second
+thread, which helps only where a core is idle: inside vLLM's CPU worker every
+core runs a compute thread, which keeps spinning for a while after each forward
+pass, and a batch split across two threads took about three times as long as on
+one (long-document QA: 183 MiB of loads in 39-49 ms against 13-15 ms). So a
+backend copies on one thread unless told otherwise (``num_copy_threads=2``, or
+``KVOFFLOAD_HAL_CPU_COPY_THREADS=2`` where vLLM's threads leave a core free).
 Where the extension was not built (no C compiler), a Python loop is used and
 that is logged once.
 """
@@ -20,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import time
 from collections import deque
 from typing import Any
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 
 from kvoffload_hal.hal.backend import Direction
-from kvoffload_hal.hal.plumbing import log_once
+from kvoffload_hal.hal.plumbing import env_int, log_once
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.hal.threaded import ThreadedCopyBackend
 from kvoffload_hal.logger import init_logger
@@ -39,6 +43,8 @@ try:
     from kvoffload_hal.backends.cpu import _hostcopy
 except ImportError:  # built optionally by setup.py
     _hostcopy = None
+
+COPY_THREADS_ENV_VAR = "KVOFFLOAD_HAL_CPU_COPY_THREADS"
 
 
 def _copy_batch_python(batch: CopyBatch) -> None:
@@ -55,7 +61,7 @@ class CpuCopyBackend(ThreadedCopyBackend):
     def __init__(self, device=None, num_copy_threads: int | None = None) -> None:
         super().__init__(device)
         if num_copy_threads is None:
-            num_copy_threads = 2 if (os.cpu_count() or 1) >= 2 else 1
+            num_copy_threads = env_int(COPY_THREADS_ENV_VAR, 1, minimum=1, maximum=2)
         if num_copy_threads not in (1, 2):
             raise ValueError(f"num_copy_threads must be 1 or 2, got {num_copy_threads}")
         self.num_copy_threads = num_copy_threads

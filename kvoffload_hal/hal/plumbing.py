@@ -65,17 +65,21 @@ def enqueue_in_chunks(count: int, max_per_chunk: int, enqueue: Callable[[int, in
     return calls
 
 
-def env_int(name: str, default: int, minimum: int | None = None) -> int:
+def env_int(name: str, default: int, minimum: int | None = None,
+            maximum: int | None = None) -> int:
     """``int($name)``, or ``default`` when unset or empty; ``ValueError`` naming ``name`` else."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
-    expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+    bounds = [f">= {minimum}"] if minimum is not None else []
+    bounds += [f"<= {maximum}"] if maximum is not None else []
+    expected = " ".join(["an integer", " and ".join(bounds)]).strip()
     try:
         value = int(raw)
     except ValueError:
         value = None
-    if value is None or (minimum is not None and value < minimum):
+    if (value is None or (minimum is not None and value < minimum)
+            or (maximum is not None and value > maximum)):
         raise ValueError(f"{name}={raw!r} is invalid: expected {expected}")
     return value
 

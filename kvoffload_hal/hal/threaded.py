@@ -230,6 +230,11 @@ class ThreadedCopyBackend(DmaCopyBackend):
         return results
 
     def flush(self) -> list[JobResult]:
+        if not self._num_pending:
+            # Nothing submitted is unreported: no job is queued or launched, and the
+            # copy thread need not be woken (a round trip to it costs a context
+            # switch on hosts whose cores all run compute threads).
+            return []
         # After shutdown the copy thread stops at its stop marker and would
         # never reach a barrier queued behind it: fail what is still queued.
         if not self._closed and self._thread is not None and self._thread.is_alive():

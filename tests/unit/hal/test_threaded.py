@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvoffload_hal.backends.cpu import CpuCopyBackend
+from kvoffload_hal.hal import threaded
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from support.backend_rig import BackendRig
 from support.polling import collect_results
@@ -194,6 +195,26 @@ def test_flush_waits_for_queued_and_launched_jobs():
     r.assert_stored(range(3), range(3))
     assert r.backend.poll() == [] and r.backend.flush() == [] and r.backend.num_pending == 0
     r.backend.shutdown()
+
+
+def test_flush_with_nothing_pending_does_not_wake_the_copy_thread(rig, monkeypatch):
+    # A worker flushes on every preemption and after every synchronous step; with
+    # nothing pending, a barrier round trip to the copy thread is a context switch
+    # for nothing on a host whose cores all run compute threads.
+    barriers = []
+
+    class CountedBarrier(threaded._Barrier):
+        def __init__(self, reached):
+            barriers.append(self)
+            super().__init__(reached)
+
+    monkeypatch.setattr(threaded, "_Barrier", CountedBarrier)
+    rig.backend.submit(TransferJob(0, STORE, [3], [0]))
+    assert [x.job_id for x in rig.backend.flush()] == [0]
+    assert len(barriers) == 1  # a job was pending: the flush waited for the copy thread
+    assert rig.backend.flush() == [] and rig.backend.num_pending == 0
+    assert len(barriers) == 1
+    rig.assert_stored([3], [0])
 
 
 def test_shutdown_with_a_stuck_copy_returns_within_its_timeout():
