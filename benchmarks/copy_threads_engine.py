@@ -22,7 +22,15 @@ import os
 import statistics
 from pathlib import Path
 
-from long_doc_qa import MODEL, MODEL_DIR, OFFLOAD, SAME_BATCH, documents, run_one
+from long_doc_qa import (
+    DEFAULT_LENGTH,
+    MODEL,
+    MODEL_DIR,
+    OFFLOAD,
+    SAME_BATCH,
+    documents,
+    run_one,
+)
 
 from kvoffload_hal.backends.cpu.backend import COPY_THREADS_ENV_VAR
 from kvoffload_hal.demo.tiny_model import build_tiny_llama
@@ -34,7 +42,7 @@ ENGINES = (("offload, 2 copy threads", OFFLOAD, "2"),
 
 
 def run_rounds(num_docs: int, rounds: int, model: str, vocab: int) -> dict[str, list[float]]:
-    docs = documents(num_docs, 256, vocab)
+    docs = documents(num_docs, DEFAULT_LENGTH, vocab)
     walls: dict[str, list[float]] = {name: [] for name, _, _ in ENGINES}
     for k in range(rounds):
         for name, config, threads in ENGINES:
@@ -91,8 +99,8 @@ def main() -> None:
 
     vocab = len(AutoTokenizer.from_pretrained(model))
     walls = run_rounds(args.num_documents, args.rounds, model, vocab)
-    setup = (f"{args.num_documents} documents of 256 tokens, long_doc_qa.py's model and "
-             f"caches, {args.rounds} rounds")
+    setup = (f"{args.num_documents} documents of {DEFAULT_LENGTH} tokens, long_doc_qa.py's "
+             f"model and caches, {args.rounds} rounds")
     text = table(walls)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ block as the copy itself). The extension can split a large batch across a second
 thread, which helps only where a core is idle: inside vLLM's CPU worker every
 core runs a compute thread, which keeps spinning for a while after each forward
 pass, and a batch split across two threads took about three times as long as on
-one (long-document QA: 183 MiB of loads in 39-49 ms against 13-15 ms). So a
+one (long-document QA: 183 MiB of loads in 36-49 ms against 13-15 ms). So a
 backend copies on one thread unless told otherwise (``num_copy_threads=2``, or
 ``KVOFFLOAD_HAL_CPU_COPY_THREADS=2`` where vLLM's threads leave a core free).
 Where the extension was not built (no C compiler), a Python loop is used and

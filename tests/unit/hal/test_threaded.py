@@ -198,9 +198,9 @@ def test_flush_waits_for_queued_and_launched_jobs():
 
 
 def test_flush_with_nothing_pending_does_not_wake_the_copy_thread(rig, monkeypatch):
-    # A worker flushes on every preemption and after every synchronous step; with
-    # nothing pending, a barrier round trip to the copy thread is a context switch
-    # for nothing on a host whose cores all run compute threads.
+    # A worker flushes on every preemption, mostly with nothing pending; a barrier
+    # round trip to the copy thread is then a context switch for nothing on a host
+    # whose cores all run compute threads.
     barriers = []
 
     class CountedBarrier(threaded._Barrier):
