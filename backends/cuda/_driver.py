@@ -91,6 +91,20 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemcpyAsync": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, _p],
 }
 
+# CUdevice_attribute values the copy kernel needs to be 1.
+CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING = 41
+CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
+
+# Optional symbols (the copy kernel): a library without them copies with DMA only.
+_KERNEL_SIGNATURES: dict[str, list[Any]] = {
+    "cuDeviceGetAttribute": [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int],
+    "cuModuleLoadData": [ctypes.POINTER(_p), ctypes.c_char_p],
+    "cuModuleGetFunction": [ctypes.POINTER(_p), _p, ctypes.c_char_p],
+    "cuModuleUnload": [_p],
+    # f, grid x/y/z, block x/y/z, sharedMemBytes, stream, kernelParams, extra
+    "cuLaunchKernel": [_p, *[ctypes.c_uint] * 7, _p, ctypes.POINTER(_p), ctypes.POINTER(_p)],
+}
+
 # CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
 #                              cuuint64_t flags, CUdriverProcAddressQueryResult *status)
 _GET_PROC_ADDRESS_ARGS = [ctypes.c_char_p, ctypes.POINTER(_p), ctypes.c_int, ctypes.c_uint64,
@@ -161,6 +175,11 @@ class CudaDriver:
                 fn = getattr(lib, name)
             except AttributeError:
                 raise RuntimeError(f"{path} does not export {name}; is it a CUDA driver?") from None
+            fn.restype, fn.argtypes = _CUresult, argtypes
+            setattr(self, name, fn)
+        self.has_kernel_launch = all(hasattr(lib, name) for name in _KERNEL_SIGNATURES)
+        for name, argtypes in _KERNEL_SIGNATURES.items() if self.has_kernel_launch else ():
+            fn = getattr(lib, name)
             fn.restype, fn.argtypes = _CUresult, argtypes
             setattr(self, name, fn)
         try:  # cuGetProcAddress_v2 exists from CUDA 12.0; older drivers have no batch copy

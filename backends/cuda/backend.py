@@ -19,8 +19,11 @@ How the :class:`~kvoffload_hal.hal.backend.DmaCopyBackend` contract is met:
   ``forward_done`` records that event then, and both copy streams wait on it: the
   step's jobs, submitted after the sampler was enqueued, wait for the forward
   pass only (the sampler never touches the KV cache), and skip their own event.
-* **Copies**: one ``cuMemcpyBatchAsync`` per job (chunked above
-  ``max_descriptors``), else a ``cuMemcpyAsync`` loop (see ``_copy.py``).
+* **Copies**: a job of small blocks (mean descriptor up to ``kernel_max_bytes``)
+  is one launch of the copy kernel (``_kernel.py``); any other job is one
+  ``cuMemcpyBatchAsync`` (chunked above ``max_descriptors``), else a
+  ``cuMemcpyAsync`` loop (see ``_copy.py``). A driver that cannot load the kernel
+  leaves every job to DMA, and says why once in the log.
 * **Completion**: an event recorded on the copy stream after the batch;
   ``poll`` queries it without blocking (``CUDA_ERROR_NOT_READY`` = still
   running, any other error fails the job), ``flush`` synchronises on it.
@@ -51,6 +54,7 @@ from kvoffload_hal.backends.cuda._driver import (
     probe_library,
 )
 from kvoffload_hal.backends.cuda._host import REGISTER_CHUNK_BYTES, HostRegistry
+from kvoffload_hal.backends.cuda._kernel import KernelCopier, Table, kernel_max_bytes_setting
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from kvoffload_hal.hal.plumbing import env_int, log_once
 from kvoffload_hal.hal.regions import CopyBatch
@@ -69,9 +73,11 @@ MAX_DESCRIPTORS = 8192
 
 @dataclass
 class _Pending:
-    """Completion handle of one launched job: an event recorded after its copies."""
+    """Completion handle of one launched job: an event recorded after its copies, and
+    the copy kernel's descriptor table, held until then."""
 
     event: int | None
+    table: Table | None = None
 
 
 class CudaCopyBackend(ThreadedCopyBackend):
@@ -83,13 +89,15 @@ class CudaCopyBackend(ThreadedCopyBackend):
 
     def __init__(self, device: torch.device | str | None = None, *,
                  library_path: str | None = None, max_descriptors: int | None = None,
-                 register_chunk_bytes: int = REGISTER_CHUNK_BYTES) -> None:
+                 register_chunk_bytes: int = REGISTER_CHUNK_BYTES,
+                 kernel_max_bytes: int | None = None) -> None:
         super().__init__(device)
         self.max_descriptors = (max_descriptors if max_descriptors is not None
                                 else env_int(MAX_DESCRIPTORS_ENV_VAR, MAX_DESCRIPTORS, minimum=1))
         if self.max_descriptors <= 0:
             raise ValueError(f"max_descriptors must be positive, got {self.max_descriptors}")
         self.register_chunk_bytes = register_chunk_bytes
+        self.kernel_max_bytes = kernel_max_bytes_setting(kernel_max_bytes)
         self._library_path = library_path
         self._driver: CudaDriver | None = None
         self._host: HostRegistry | None = None
@@ -98,12 +106,18 @@ class CudaCopyBackend(ThreadedCopyBackend):
         self._ordinal = 0
         self._streams: dict[Direction, int] = {}
         self._copier: BatchCopier | None = None
+        self._kernel: KernelCopier | None = None
         self._thread_state = threading.local()
 
     @property
     def copy_path(self) -> str | None:
         """The copy path in use (batch ABI or the loop); None before bind."""
         return self._copier.path if self._copier is not None else None
+
+    @property
+    def copy_kernel(self) -> str | None:
+        """The copy kernel in use for small blocks, or None (DMA only, or before bind)."""
+        return self._kernel.label if self._kernel is not None else None
 
     @property
     def runtime_version(self) -> str | None:
@@ -167,6 +181,9 @@ class CudaCopyBackend(ThreadedCopyBackend):
             self._streams[direction] = stream.value or 0
         batch_memcpy, why_not = driver.resolve_batch_memcpy()
         self._copier = BatchCopier(driver, batch_memcpy, self.max_descriptors, self._ordinal)
+        assert self._host is not None
+        self._kernel = KernelCopier.start(driver, self._cu_device, self._host,
+                                          self.kernel_max_bytes)
         path = self._copier.path
         # Once per process, not per worker restart.
         if batch_memcpy is None:
@@ -208,8 +225,16 @@ class CudaCopyBackend(ThreadedCopyBackend):
             finally:
                 # The wait is already enqueued; destroying the event does not cancel it.
                 driver.cuEventDestroy_v2(fence)
-        self._copier.copy(direction, batch, stream)
-        return _Pending(self._record_event(stream))
+        if self._kernel is None or not self._kernel.wants(batch):
+            self._copier.copy(direction, batch, stream)
+            return _Pending(self._record_event(stream))
+        table = self._kernel.launch(batch, stream)
+        try:
+            return _Pending(self._record_event(stream), table)
+        except BaseException:
+            driver.cuStreamSynchronize(stream)  # the kernel reads the table until it ends
+            self._kernel.release(table)
+            raise
 
     def _query(self, handle: _Pending | None) -> bool:
         if handle is None or handle.event is None:
@@ -219,7 +244,7 @@ class CudaCopyBackend(ThreadedCopyBackend):
         code = driver.cuEventQuery(handle.event)
         if code == CUDA_ERROR_NOT_READY:
             return False
-        self._destroy_event(handle)
+        self._complete(handle)
         driver.check(code, "cuEventQuery")
         return True
 
@@ -229,7 +254,7 @@ class CudaCopyBackend(ThreadedCopyBackend):
         driver = self._driver
         assert driver is not None
         code = driver.cuEventSynchronize(handle.event)
-        self._destroy_event(handle)
+        self._complete(handle)
         driver.check(code, "cuEventSynchronize")
 
     def _stop(self) -> None:
@@ -243,6 +268,8 @@ class CudaCopyBackend(ThreadedCopyBackend):
             driver.cuStreamSynchronize(stream)
             driver.cuStreamDestroy_v2(stream)
         self._streams.clear()
+        if self._kernel is not None:
+            self._kernel.close()  # kept: copy_kernel still names it, as copy_path does
         self._release_context_if_idle()
 
     # ------------------------------------------------------------ helpers
@@ -287,7 +314,11 @@ class CudaCopyBackend(ThreadedCopyBackend):
             driver.check(code, "cuEventRecord")
         return event.value
 
-    def _destroy_event(self, handle: _Pending) -> None:
+    def _complete(self, handle: _Pending) -> None:
+        """The job's copies ended (or failed): destroy its event, hand its table back."""
         assert self._driver is not None and handle.event is not None
         self._driver.cuEventDestroy_v2(handle.event)
         handle.event = None
+        if handle.table is not None and self._kernel is not None:
+            self._kernel.release(handle.table)
+        handle.table = None

@@ -195,6 +195,13 @@ class DmaCopyBackend(ABC):
         return None
 
     @property
+    def copy_kernel(self) -> str | None:
+        """The device kernel the backend copies small blocks with, where it has one (the
+        CUDA backend's copy kernel), else None; known from :meth:`bind` on. Jobs it does
+        not take go through :attr:`copy_path`."""
+        return None
+
+    @property
     def copy_path_is_fallback(self) -> bool:
         """:attr:`copy_path` is one of :attr:`fallback_copy_paths` (False while None)."""
         return self.copy_path in self.fallback_copy_paths

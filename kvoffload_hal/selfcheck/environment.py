@@ -131,6 +131,7 @@ def describe_environment(backend: DmaCopyBackend | None, device: torch.device) -
         "runtime_version": _runtime_version(backend),
         "copy_path": (backend.copy_path if backend is not None else None) or "unknown",
         "copy_mode": copy_mode(backend) if backend is not None else "unknown",
+        "copy_kernel": backend.copy_kernel if backend is not None else None,
         "kvoffload_hal": kvoffload_hal.__version__,
         "torch": torch.__version__,
         # The CUDA torch was built with, and the CANN torch_npu reports (None where absent).

@@ -46,6 +46,7 @@ def _header(result: dict) -> list[str]:
         "runtime:   " + ("n/a (no device runtime)" if env["runtime_version"] == "n/a"
                             else f"{runtime} {env['runtime_version']}"),
         f"copy path: {env['copy_path']} [{env['copy_mode']}]",
+        *([f"kernel:    {env['copy_kernel']}"] if env.get("copy_kernel") else []),
         f"software:  torch {env['torch']}"
         + (f" (CUDA {env['torch_cuda']})" if env.get("torch_cuda") else "")
         + (f" (CANN {env['torch_cann']})" if env.get("torch_cann") else "")

@@ -44,6 +44,14 @@ class RegRecord(ctypes.Structure):
     _fields_ = [("registered", ctypes.c_int), ("ptr", ctypes.c_void_p), ("size", ctypes.c_size_t)]
 
 
+class LaunchRecord(ctypes.Structure):
+    _fields_ = [
+        ("result", ctypes.c_int), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+        ("shared_bytes", ctypes.c_uint), ("table", ctypes.c_uint64), ("count", ctypes.c_uint64),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
 class FakeDriver:
     """Test-side view of one loaded fake library (the same handle the backend gets)."""
 
@@ -74,6 +82,9 @@ class FakeDriver:
     def batches(self) -> list[BatchRecord]:
         return self._records(BatchRecord, self.lib.fake_num_batches, self.lib.fake_batch)
 
+    def launches(self) -> list[LaunchRecord]:
+        return self._records(LaunchRecord, self.lib.fake_num_launches, self.lib.fake_launch)
+
     def registrations(self) -> list[RegRecord]:
         return self._records(RegRecord, self.lib.fake_num_registrations,
                              self.lib.fake_registration)
@@ -101,9 +112,16 @@ class FakeDriver:
 
 
 class FakeGpuBackend(CudaCopyBackend):
-    """The real backend; only the compute stream handle (from torch) is injected."""
+    """The real backend; only the compute stream handle (from torch) is injected.
+
+    The copy kernel is off unless a test passes ``kernel_max_bytes``: the DMA tests
+    read the batch calls their jobs make (``test_cuda_kernel.py`` covers the kernel).
+    """
 
     compute_stream = 0  # the legacy default stream, as torch reports it
+
+    def __init__(self, *args, kernel_max_bytes: int = 0, **kwargs) -> None:
+        super().__init__(*args, kernel_max_bytes=kernel_max_bytes, **kwargs)
 
     def _compute_stream_handle(self) -> int:
         return self.compute_stream

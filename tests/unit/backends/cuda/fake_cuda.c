@@ -17,6 +17,12 @@
  *   -DFAKE_CUDA_VERSION=13000   also the 8-argument cuMemcpyBatchAsync_v2
  *   -DFAKE_NO_BATCH             no batch entry point (a 12.4 driver)
  *   -DFAKE_NO_PROC_ADDRESS      no cuGetProcAddress_v2 (a pre-12.0 driver)
+ * Modules: cuModuleLoadData accepts an image that defines the backend's copy kernel
+ * (".entry kvoffload_copy_blocks("), and cuLaunchKernel of it queues the kernel's
+ * effect: at run time it reads the descriptor table [dsts | srcs | sizes] its
+ * parameters point at, as the GPU would, and memmoves each descriptor. The table
+ * must lie in registered host memory (the kernel reads it in place).
+ *
  *   -DFAKE_WITH_CUDA_H          use NVIDIA's cuda.h for every type and declaration
  *                               (test_cuda_header_abi.py; the header comes from the
  *                               nvidia-cuda-runtime wheels)
@@ -61,10 +67,14 @@ typedef int CUdriverProcAddressQueryResult;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
+typedef int CUdevice_attribute;
 
 enum {
     CUDA_SUCCESS = 0, CUDA_ERROR_INVALID_VALUE = 1, CUDA_ERROR_NOT_INITIALIZED = 3,
-    CUDA_ERROR_INVALID_DEVICE = 101, CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_DEVICE = 101, CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400, CUDA_ERROR_NOT_FOUND = 500, CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713, CUDA_ERROR_NOT_SUPPORTED = 801,
@@ -80,7 +90,7 @@ typedef struct {
 #endif /* FAKE_WITH_CUDA_H */
 
 /* ------------------------------------------------------------------ state */
-enum { OP_COPY, OP_RECORD, OP_WAIT };
+enum { OP_COPY, OP_RECORD, OP_WAIT, OP_KERNEL };
 typedef struct op {
     int kind;
     void *dst;
@@ -93,6 +103,10 @@ typedef struct op {
 struct CUctx_st { int device; int refcount; };
 struct CUstream_st { int priority; unsigned flags; int live; op *head, *tail; };
 struct CUevent_st { int pending; int live; struct CUstream_st *stream; };
+struct CUfunc_st { struct CUmod_st *module; };
+struct CUmod_st { int live; struct CUfunc_st copy_blocks; };
+
+#define KERNEL_NAME "kvoffload_copy_blocks"
 
 /* Functions whose calls are counted and logged, in this order of ids. */
 static const char *FN_NAMES[] = {
@@ -101,12 +115,14 @@ static const char *FN_NAMES[] = {
     "cuStreamCreateWithPriority", "cuStreamDestroy_v2", "cuStreamWaitEvent", "cuStreamSynchronize",
     "cuEventCreate", "cuEventDestroy_v2", "cuEventRecord", "cuEventQuery", "cuEventSynchronize",
     "cuMemHostRegister_v2", "cuMemHostUnregister", "cuMemcpyAsync", "cuGetProcAddress_v2",
-    "cuMemcpyBatchAsync", "cuMemcpyBatchAsync_v2",
+    "cuMemcpyBatchAsync", "cuMemcpyBatchAsync_v2", "cuModuleLoadData", "cuModuleGetFunction",
+    "cuModuleUnload", "cuLaunchKernel", "cuDeviceGetAttribute",
 };
 enum {
     F_INIT, F_VERSION, F_ERRNAME, F_DEVGET, F_RETAIN, F_RELEASE, F_SETCUR, F_PRIO, F_SCREATE,
     F_SDESTROY, F_SWAIT, F_SSYNC, F_ECREATE, F_EDESTROY, F_ERECORD, F_EQUERY, F_ESYNC, F_REG,
-    F_UNREG, F_MEMCPY, F_PROC, F_BATCH, F_BATCH_V2, F_COUNT
+    F_UNREG, F_MEMCPY, F_PROC, F_BATCH, F_BATCH_V2, F_MODLOAD, F_GETFN, F_MODUNLOAD, F_LAUNCH,
+    F_DEVATTR, F_COUNT
 };
 
 #define MAX_LOG 65536
@@ -120,6 +136,10 @@ typedef struct {
     unsigned flags; void *stream;
 } batch_record;
 typedef struct { int registered; void *ptr; size_t size; } reg_record;
+typedef struct {
+    int result; unsigned grid[3], block[3], shared_bytes;
+    unsigned long long table, count; void *stream;
+} launch_record;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_initialized;
@@ -142,6 +162,10 @@ static int g_batch_error, g_batch_error_after; static size_t g_batch_fail_idx;
 static int g_memcpy_error, g_memcpy_error_after;
 static int g_query_error;
 static int g_register_error, g_register_error_after;
+static int g_module_error, g_launch_error, g_launch_error_after, g_live_modules;
+static int g_host_pointer_usable = 1;  /* CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM */
+static launch_record g_launches[MAX_RECORDS];
+static int g_num_launches;
 
 static void note(int fn, void *stream, void *event) {
     g_calls[fn]++;
@@ -161,6 +185,12 @@ static void execute(op *o) {
     switch (o->kind) {
     case OP_COPY: memmove(o->dst, o->src, o->n); break;
     case OP_RECORD: o->event->pending = 0; break;
+    case OP_KERNEL: {  /* the copy kernel: the table is read now, as the GPU reads it */
+        const unsigned long long *t = o->src;
+        for (size_t i = 0; i < o->n; i++)
+            memmove((void *)t[i], (const void *)t[o->n + i], t[2 * o->n + i]);
+        break;
+    }
     case OP_WAIT:  /* run the waited-on stream up to the event: a real dependency */
         ev = o->event;
         while (ev->pending && ev->stream->head) {
@@ -216,7 +246,8 @@ EXPORT CUresult cuDriverGetVersion(int *version) {
 EXPORT CUresult cuGetErrorName(CUresult error, const char **out) {
     static const struct { int code; const char *name; } names[] = {
         {0, "CUDA_SUCCESS"}, {1, "CUDA_ERROR_INVALID_VALUE"}, {3, "CUDA_ERROR_NOT_INITIALIZED"},
-        {101, "CUDA_ERROR_INVALID_DEVICE"}, {201, "CUDA_ERROR_INVALID_CONTEXT"},
+        {101, "CUDA_ERROR_INVALID_DEVICE"}, {200, "CUDA_ERROR_INVALID_IMAGE"},
+        {201, "CUDA_ERROR_INVALID_CONTEXT"}, {222, "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"},
         {400, "CUDA_ERROR_INVALID_HANDLE"}, {500, "CUDA_ERROR_NOT_FOUND"},
         {600, "CUDA_ERROR_NOT_READY"}, {700, "CUDA_ERROR_ILLEGAL_ADDRESS"},
         {712, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"},
@@ -235,6 +266,20 @@ static CUresult device_get_impl(CUdevice *dev, int ordinal) {
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuDeviceGet(CUdevice *dev, int ordinal) { LOCKED(device_get_impl(dev, ordinal)); }
+
+/* CUdevice_attribute: UNIFIED_ADDRESSING = 41, CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91;
+   any other attribute reads 0. */
+static CUresult devattr_impl(int *value, int attribute, CUdevice dev) {
+    note(F_DEVATTR, 0, 0);
+    if (!g_initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    if (dev < 0 || dev > 1) return CUDA_ERROR_INVALID_DEVICE;
+    *value = attribute == 41 ? 1 : attribute == 91 ? g_host_pointer_usable : 0;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetAttribute(int *value, CUdevice_attribute attribute, CUdevice dev) {
+    LOCKED(devattr_impl(value, (int)attribute, dev));
+}
 
 static CUresult retain_impl(CUcontext *ctx, CUdevice dev) {
     note(F_RETAIN, 0, 0);
@@ -466,6 +511,89 @@ EXPORT CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size
 #endif
 #endif /* FAKE_NO_BATCH */
 
+/* --------------------------------------------------- modules and launches */
+static CUresult modload_impl(CUmodule *module, const void *image) {
+    note(F_MODLOAD, 0, 0);
+    CUresult r = need_context();
+    if (r) return r;
+    if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
+    if (g_module_error) return g_module_error;
+    if (!strstr((const char *)image, ".entry " KERNEL_NAME "(")) return CUDA_ERROR_INVALID_IMAGE;
+    struct CUmod_st *m = calloc(1, sizeof(*m));
+    m->live = 1;
+    m->copy_blocks.module = m;
+    g_live_modules++;
+    *module = m;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image) { LOCKED(modload_impl(module, image)); }
+
+static CUresult getfn_impl(CUfunction *fn, CUmodule module, const char *name) {
+    note(F_GETFN, 0, 0);
+    CUresult r = need_context();
+    if (r) return r;
+    if (!fn || !module || !module->live) return CUDA_ERROR_INVALID_HANDLE;
+    if (!name || strcmp(name, KERNEL_NAME)) return CUDA_ERROR_NOT_FOUND;
+    *fn = &module->copy_blocks;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name) {
+    LOCKED(getfn_impl(fn, module, name));
+}
+
+static CUresult unload_impl(CUmodule module) {
+    note(F_MODUNLOAD, 0, 0);
+    CUresult r = need_context();
+    if (r) return r;
+    if (!module || !module->live) return CUDA_ERROR_INVALID_HANDLE;
+    module->live = 0;  /* kept allocated: a stale CUfunction must still read as dead */
+    g_live_modules--;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleUnload(CUmodule module) { LOCKED(unload_impl(module)); }
+
+static int registered(unsigned long long p, size_t n) {
+    for (int i = 0; i < g_num_regs; i++)
+        if (g_regs[i].registered && (uintptr_t)g_regs[i].ptr <= p &&
+            p + n <= (uintptr_t)g_regs[i].ptr + g_regs[i].size)
+            return 1;
+    return 0;
+}
+
+static CUresult launch_impl(CUfunction f, const unsigned grid[3], const unsigned block[3],
+                            unsigned shared_bytes, CUstream s, void **params, void **extra) {
+    note(F_LAUNCH, s, 0);
+    CUresult r = need_context();
+    if (r) return r;
+    launch_record rec = {0, {grid[0], grid[1], grid[2]}, {block[0], block[1], block[2]},
+                         shared_bytes, 0, 0, s};
+    if (!f || !f->module->live) r = CUDA_ERROR_INVALID_HANDLE;
+    else if (!s || !params || extra || !grid[0] || grid[1] != 1 || grid[2] != 1 || !block[0] ||
+             block[0] > 1024 || block[1] != 1 || block[2] != 1 || shared_bytes)
+        r = CUDA_ERROR_INVALID_VALUE;
+    if (!r) {  /* kvoffload_copy_blocks(const u64 *table, u64 count) */
+        rec.table = *(unsigned long long *)params[0];
+        rec.count = *(unsigned long long *)params[1];
+        if (!registered(rec.table, 3 * rec.count * sizeof(unsigned long long)))
+            r = CUDA_ERROR_ILLEGAL_ADDRESS;  /* the GPU could not read the table */
+    }
+    if (!r && g_launch_error && g_launch_error_after-- <= 0) r = g_launch_error;
+    rec.result = r;
+    if (g_num_launches < MAX_RECORDS) g_launches[g_num_launches++] = rec;
+    if (r) return r;
+    enqueue(s, (op){OP_KERNEL, 0, (const void *)rec.table, rec.count, 0, 0});
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                               unsigned int gridDimZ, unsigned int blockDimX,
+                               unsigned int blockDimY, unsigned int blockDimZ,
+                               unsigned int sharedMemBytes, CUstream hStream,
+                               void **kernelParams, void **extra) {
+    const unsigned grid[3] = {gridDimX, gridDimY, gridDimZ};
+    const unsigned block[3] = {blockDimX, blockDimY, blockDimZ};
+    LOCKED(launch_impl(f, grid, block, sharedMemBytes, hStream, kernelParams, extra));
+}
+
 #ifndef FAKE_NO_PROC_ADDRESS
 /* CUdriverProcAddressQueryResult: SUCCESS=0, SYMBOL_NOT_FOUND=1, VERSION_NOT_SUFFICIENT=2 */
 static CUresult proc_impl(const char *symbol, void **pfn, int version, cuuint64_t flags,
@@ -510,6 +638,8 @@ EXPORT void fake_reset(void) {
     g_initialized = g_live_streams = g_live_events = 0;
     g_primary[0].refcount = g_primary[1].refcount = 0;
     g_defer = g_batch_error = g_memcpy_error = g_query_error = g_register_error = 0;
+    g_module_error = g_launch_error = g_num_launches = g_live_modules = 0;
+    g_host_pointer_usable = 1;
     g_prio_least = 0;
     g_prio_greatest = -5;
     pthread_mutex_unlock(&g_lock);
@@ -541,6 +671,24 @@ EXPORT void fake_fail_register(int code, int after_calls) {
     g_register_error = code; g_register_error_after = after_calls;
     pthread_mutex_unlock(&g_lock);
 }
+EXPORT void fake_fail_module_load(int code) {
+    pthread_mutex_lock(&g_lock); g_module_error = code; pthread_mutex_unlock(&g_lock);
+}
+EXPORT void fake_fail_launch(int code, int after_calls) {
+    pthread_mutex_lock(&g_lock);
+    g_launch_error = code; g_launch_error_after = after_calls;
+    pthread_mutex_unlock(&g_lock);
+}
+EXPORT void fake_set_host_pointer_usable(int on) {
+    pthread_mutex_lock(&g_lock); g_host_pointer_usable = on; pthread_mutex_unlock(&g_lock);
+}
+EXPORT int fake_num_launches(void) { return g_num_launches; }
+EXPORT int fake_launch(int i, launch_record *out) {
+    if (i < 0 || i >= g_num_launches) return -1;
+    *out = g_launches[i];
+    return 0;
+}
+EXPORT int fake_live_modules(void) { return g_live_modules; }
 EXPORT long fake_calls(const char *name) {
     for (int i = 0; i < F_COUNT; i++) if (!strcmp(FN_NAMES[i], name)) return g_calls[i];
     return -1;

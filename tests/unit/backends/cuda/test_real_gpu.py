@@ -1,4 +1,6 @@
-"""The CUDA backend on a real GPU: random blocks device -> host -> device, byte for byte.
+"""The CUDA backend on a real GPU: random blocks device -> host -> device, byte for byte,
+through the copy kernel (blocks of 16 KiB, and of 1000 bytes for its unaligned path)
+and through DMA (the kernel off; chunked batch calls too).
 
 Skipped unless ``torch.cuda.is_available()``; run with
 ``.venv/bin/python -m pytest -m cuda tests/unit/backends/cuda/test_real_gpu.py``.
@@ -26,16 +28,21 @@ NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS = 256, 384
 KV_SHAPE = (2, NUM_DEVICE_BLOCKS, 16, 8, 64)
 
 
-@pytest.fixture
+# Backend settings per path: the default (the kernel: 16 KiB blocks), DMA, chunked DMA.
+PATHS = {"kernel": {}, "dma": {"kernel_max_bytes": 0},
+         "dma-chunked": {"kernel_max_bytes": 0, "max_descriptors": 7}}
+
+
+@pytest.fixture(params=list(PATHS))
 def backend_and_kv(request):
-    max_descriptors = getattr(request, "param", None)
-    backend = CudaCopyBackend("cuda:0", max_descriptors=max_descriptors)
+    backend = CudaCopyBackend("cuda:0", **PATHS[request.param])
     kv = torch.randn(KV_SHAPE, dtype=torch.bfloat16, device="cuda:0")
     device_regions = backend.describe_kv_tensor(kv, NUM_DEVICE_BLOCKS)
     block_bytes = device_regions[0].block_bytes
     host = backend.allocate_host(len(device_regions) * NUM_HOST_BLOCKS * block_bytes)
     backend.bind(device_regions, host_regions_for(device_regions, host.data_ptr(),
                                                   NUM_HOST_BLOCKS))
+    assert (backend.copy_kernel is None) is (request.param != "kernel")
     yield backend, kv, host
     backend.shutdown()
     backend.free_host(host)
@@ -45,7 +52,6 @@ def _pairs(rng: random.Random, n: int, num_src: int, num_dst: int):
     return rng.sample(range(num_src), n), rng.sample(range(num_dst), n)
 
 
-@pytest.mark.parametrize("backend_and_kv", [None, 7], indirect=True)  # 7: forces chunking
 @pytest.mark.parametrize("seed", range(3))
 def test_round_trip_random_blocks(backend_and_kv, seed):
     backend, kv, host = backend_and_kv
@@ -76,3 +82,26 @@ def test_store_sees_compute_enqueued_before_submit(backend_and_kv):
     assert backend.flush()[0].ok
     host_view = host.view(torch.bfloat16).view(2, NUM_HOST_BLOCKS, *KV_SHAPE[2:])
     assert bool((host_view[:, 9] == 3.0).all())
+
+
+def test_kernel_copies_unaligned_blocks():
+    """1000-byte blocks: neither the addresses nor the sizes are multiples of 16."""
+    backend = CudaCopyBackend("cuda:0")
+    kv = torch.randint(0, 256, (NUM_DEVICE_BLOCKS, 1000), dtype=torch.uint8, device="cuda:0")
+    regions = backend.describe_kv_tensor(kv, NUM_DEVICE_BLOCKS)
+    host = backend.allocate_host(NUM_HOST_BLOCKS * 1000)
+    try:
+        backend.bind(regions, host_regions_for(regions, host.data_ptr(), NUM_HOST_BLOCKS))
+        src, dst = _pairs(random.Random(7), 100, NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS)
+        backend.submit(TransferJob(0, Direction.STORE, src, dst))
+        assert backend.flush()[0].ok and backend.copy_kernel is not None
+        assert torch.equal(host.view(NUM_HOST_BLOCKS, 1000)[dst], kv[src].cpu())
+        original = kv.clone()
+        kv.zero_()
+        backend.submit(TransferJob(1, Direction.LOAD, dst, src))
+        assert backend.flush()[0].ok
+        torch.cuda.synchronize()
+        assert torch.equal(kv[src], original[src])
+    finally:
+        backend.shutdown()
+        backend.free_host(host)

@@ -7,6 +7,7 @@ from cuda_fake import CUDA_ERROR_ILLEGAL_ADDRESS, SIZE_MAX, FakeGpuBackend
 
 from kvoffload_hal.backends.cuda import _copy
 from kvoffload_hal.selfcheck import run_selfcheck
+from kvoffload_hal.selfcheck.report import render_text
 
 
 def _run(fake, **kwargs) -> dict:
@@ -48,3 +49,13 @@ def test_a_failing_driver_copy_fails_the_verdict(fake):
     assert all(t["error"].startswith("store job failed: ") and "CUDA_ERROR_ILLEGAL_ADDRESS"
                in t["error"] for t in result["round_trips"])
     assert result["verdict"].startswith("FAIL: 5 of 5 round trips wrong on the 'cuda' backend")
+
+
+def test_copy_kernel_round_trips_byte_exact_and_is_reported(fake):
+    result = run_selfcheck("cuda", device="cpu", block_sizes=(16,), bandwidth_mib=1,
+                           make_backend=lambda: FakeGpuBackend("cuda:0", library_path=fake.path,
+                                                               kernel_max_bytes=1 << 20))
+    assert result["ok"], result["verdict"]
+    assert result["environment"]["copy_kernel"].startswith("copy kernel for descriptors")
+    assert fake.launches() and not fake.batches()  # every copy went by the kernel
+    assert "\nkernel:    copy kernel for descriptors" in render_text(result)
