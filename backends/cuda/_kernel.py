@@ -8,6 +8,13 @@ unified virtual addressing, moved 50-52 GB/s at every block size from 16 KiB
 leaves the GPU's cores to the model, so the backend uses the kernel only for
 batches whose mean descriptor is at most ``max_bytes`` (default 128 KiB).
 
+And by default for loads only. While it runs, the kernel takes GPU cores from the
+model: bf16 matrix products beside a stream of kernel copies ran at 76-85% of their
+speed alone, beside DMA at 96-100% (``benchmarks/cuda_beside_compute.py``). A load
+gates a request (the request waits for its KV), and DMA loads of small blocks are the
+slowest case (8 GB/s at 16 KiB); a store runs beside the model and waits for nothing,
+and DMA stores of 16 KiB reach 21 GB/s.
+
 Contract of :meth:`KernelCopier.launch` (copy thread only):
 
 * the descriptor table ``[dsts | srcs | sizes]`` is written to registered host
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
@@ -35,6 +43,7 @@ from kvoffload_hal.backends.cuda._driver import (
 )
 from kvoffload_hal.backends.cuda._host import HostRegistry
 from kvoffload_hal.backends.cuda._kernel_ptx import KERNEL_NAME, PTX
+from kvoffload_hal.hal.backend import Direction
 from kvoffload_hal.hal.plumbing import env_int, log_once
 from kvoffload_hal.hal.regions import CopyBatch
 from kvoffload_hal.logger import init_logger
@@ -48,6 +57,10 @@ THREADS_PER_BLOCK = 512
 # Mean descriptor bytes up to which the kernel is used; 0 turns the kernel off.
 KERNEL_MAX_BYTES_ENV_VAR = "KVOFFLOAD_HAL_CUDA_KERNEL_MAX_BYTES"
 KERNEL_MAX_BYTES = 128 << 10
+# Which jobs may go by the kernel: loads (the default), all, or off.
+KERNEL_DIRECTIONS_ENV_VAR = "KVOFFLOAD_HAL_CUDA_KERNEL_DIRECTIONS"
+KERNEL_DIRECTIONS = {"loads": frozenset({Direction.LOAD}), "all": frozenset(Direction),
+                     "off": frozenset()}
 MIN_TABLE_BYTES = 64 << 10
 _WORD = 8  # bytes per descriptor field (uint64)
 
@@ -59,6 +72,19 @@ def kernel_max_bytes_setting(argument: int | None) -> int:
     if argument < 0:
         raise ValueError(f"kernel_max_bytes must be >= 0 (0: no copy kernel), got {argument}")
     return argument
+
+
+def kernel_directions_setting(argument: str | None) -> frozenset[Direction]:
+    """The directions the kernel copies: the argument, else the environment, else loads."""
+    source = "kernel_directions"
+    if argument is None:
+        source, argument = KERNEL_DIRECTIONS_ENV_VAR, os.environ.get(KERNEL_DIRECTIONS_ENV_VAR)
+    if not argument:
+        return KERNEL_DIRECTIONS["loads"]
+    if argument not in KERNEL_DIRECTIONS:
+        raise ValueError(f"{source}={argument!r}: expected one of "
+                         f"{', '.join(KERNEL_DIRECTIONS)}")
+    return KERNEL_DIRECTIONS[argument]
 
 
 def _cannot_address_host_memory(driver: CudaDriver, device: int) -> str:
@@ -131,22 +157,23 @@ class KernelCopier:
     """The loaded copy kernel and its descriptor tables."""
 
     def __init__(self, driver: CudaDriver, module: int, function: int,
-                 host: HostRegistry, max_bytes: int) -> None:
+                 host: HostRegistry, max_bytes: int,
+                 directions: frozenset[Direction] = KERNEL_DIRECTIONS["all"]) -> None:
         self._driver, self._function = driver, function
         self._module: int | None = module
-        self.max_bytes = max_bytes
+        self.max_bytes, self.directions = max_bytes, directions
         self._tables = TablePool(host)
 
     @classmethod
-    def start(cls, driver: CudaDriver, device: int, host: HostRegistry,
-              max_bytes: int) -> KernelCopier | None:
-        """The kernel, or None where ``max_bytes`` is 0 or it cannot run (logged once)."""
-        if max_bytes == 0:
+    def start(cls, driver: CudaDriver, device: int, host: HostRegistry, max_bytes: int,
+              directions: frozenset[Direction]) -> KernelCopier | None:
+        """The kernel, or None where it is off or cannot run (logged once)."""
+        if max_bytes == 0 or not directions:
             return None
         why_not = _cannot_address_host_memory(driver, device)
         kernel = None
         if not why_not:
-            kernel, why_not = cls.load(driver, host, max_bytes)
+            kernel, why_not = cls.load(driver, host, max_bytes, directions)
         if kernel is None:
             log_once(logger, logging.WARNING, "CUDA KV offload copy kernel unavailable (%s); "
                      "small blocks are copied by DMA, which is slower", why_not)
@@ -155,8 +182,8 @@ class KernelCopier:
         return kernel
 
     @classmethod
-    def load(cls, driver: CudaDriver, host: HostRegistry,
-             max_bytes: int) -> tuple[KernelCopier | None, str]:
+    def load(cls, driver: CudaDriver, host: HostRegistry, max_bytes: int,
+             directions: frozenset[Direction]) -> tuple[KernelCopier | None, str]:
         """The kernel compiled for this GPU by the driver, or ``(None, why not)``."""
         module, function = ctypes.c_void_p(), ctypes.c_void_p()
         code = driver.cuModuleLoadData(ctypes.byref(module), PTX.encode())
@@ -167,15 +194,18 @@ class KernelCopier:
         if code != CUDA_SUCCESS:
             driver.cuModuleUnload(module.value)
             return None, f"cuModuleGetFunction failed: {driver.error_name(code)} ({code})"
-        return cls(driver, module.value, function.value, host, max_bytes), ""
+        return cls(driver, module.value, function.value, host, max_bytes, directions), ""
 
     @property
     def label(self) -> str:
-        return f"copy kernel for descriptors of up to {self.max_bytes} B on average"
+        jobs = " and ".join(f"{d.value}s" for d in (Direction.LOAD, Direction.STORE)
+                            if d in self.directions)
+        return f"copy kernel for {jobs} of descriptors up to {self.max_bytes} B on average"
 
-    def wants(self, batch: CopyBatch) -> bool:
-        """Whether ``batch`` goes faster by kernel than by DMA (see the module docstring)."""
-        return len(batch) > 0 and batch.num_bytes <= self.max_bytes * len(batch)
+    def wants(self, direction: Direction, batch: CopyBatch) -> bool:
+        """Whether ``batch`` goes by the kernel (see the module docstring)."""
+        return (direction in self.directions and len(batch) > 0
+                and batch.num_bytes <= self.max_bytes * len(batch))
 
     def launch(self, batch: CopyBatch, stream: int) -> Table:
         """Queue one kernel for every descriptor of ``batch`` on ``stream``."""

@@ -19,8 +19,9 @@ How the :class:`~kvoffload_hal.hal.backend.DmaCopyBackend` contract is met:
   ``forward_done`` records that event then, and both copy streams wait on it: the
   step's jobs, submitted after the sampler was enqueued, wait for the forward
   pass only (the sampler never touches the KV cache), and skip their own event.
-* **Copies**: a job of small blocks (mean descriptor up to ``kernel_max_bytes``)
-  is one launch of the copy kernel (``_kernel.py``); any other job is one
+* **Copies**: a load (``kernel_directions``: loads by default) of small blocks
+  (mean descriptor up to ``kernel_max_bytes``) is one launch of the copy kernel
+  (``_kernel.py``); any other job is one
   ``cuMemcpyBatchAsync`` (chunked above ``max_descriptors``), else a
   ``cuMemcpyAsync`` loop (see ``_copy.py``). A driver that cannot load the kernel
   leaves every job to DMA, and says why once in the log.
@@ -54,7 +55,12 @@ from kvoffload_hal.backends.cuda._driver import (
     probe_library,
 )
 from kvoffload_hal.backends.cuda._host import REGISTER_CHUNK_BYTES, HostRegistry
-from kvoffload_hal.backends.cuda._kernel import KernelCopier, Table, kernel_max_bytes_setting
+from kvoffload_hal.backends.cuda._kernel import (
+    KernelCopier,
+    Table,
+    kernel_directions_setting,
+    kernel_max_bytes_setting,
+)
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from kvoffload_hal.hal.plumbing import env_int, log_once
 from kvoffload_hal.hal.regions import CopyBatch
@@ -90,7 +96,8 @@ class CudaCopyBackend(ThreadedCopyBackend):
     def __init__(self, device: torch.device | str | None = None, *,
                  library_path: str | None = None, max_descriptors: int | None = None,
                  register_chunk_bytes: int = REGISTER_CHUNK_BYTES,
-                 kernel_max_bytes: int | None = None) -> None:
+                 kernel_max_bytes: int | None = None,
+                 kernel_directions: str | None = None) -> None:
         super().__init__(device)
         self.max_descriptors = (max_descriptors if max_descriptors is not None
                                 else env_int(MAX_DESCRIPTORS_ENV_VAR, MAX_DESCRIPTORS, minimum=1))
@@ -98,6 +105,7 @@ class CudaCopyBackend(ThreadedCopyBackend):
             raise ValueError(f"max_descriptors must be positive, got {self.max_descriptors}")
         self.register_chunk_bytes = register_chunk_bytes
         self.kernel_max_bytes = kernel_max_bytes_setting(kernel_max_bytes)
+        self.kernel_directions = kernel_directions_setting(kernel_directions)
         self._library_path = library_path
         self._driver: CudaDriver | None = None
         self._host: HostRegistry | None = None
@@ -183,7 +191,7 @@ class CudaCopyBackend(ThreadedCopyBackend):
         self._copier = BatchCopier(driver, batch_memcpy, self.max_descriptors, self._ordinal)
         assert self._host is not None
         self._kernel = KernelCopier.start(driver, self._cu_device, self._host,
-                                          self.kernel_max_bytes)
+                                          self.kernel_max_bytes, self.kernel_directions)
         path = self._copier.path
         # Once per process, not per worker restart.
         if batch_memcpy is None:
@@ -199,6 +207,7 @@ class CudaCopyBackend(ThreadedCopyBackend):
         if job.num_blocks == 0:
             return None
         try:
+            self._bind_thread()  # the submitting thread may never have used this GPU
             return self._record_event(self._compute_stream_handle())
         except Exception as e:
             raise RuntimeError(f"could not record the compute fence: {e}") from e
@@ -206,6 +215,7 @@ class CudaCopyBackend(ThreadedCopyBackend):
     def _fence_copy_streams(self) -> None:
         driver = self._driver
         assert driver is not None
+        self._bind_thread()
         event = self._record_event(self._compute_stream_handle())
         try:
             for stream in self._streams.values():
@@ -216,16 +226,14 @@ class CudaCopyBackend(ThreadedCopyBackend):
     def _launch(self, direction: Direction, batch: CopyBatch, fence: Any) -> _Pending:
         driver, stream = self._driver, self._streams[direction]
         assert driver is not None and self._copier is not None
-        if not getattr(self._thread_state, "has_context", False):
-            self._set_current()  # driver calls need a current context per thread
-            self._thread_state.has_context = True
+        self._bind_thread()
         if fence is not None:
             try:
                 driver.check(driver.cuStreamWaitEvent(stream, fence, 0), "cuStreamWaitEvent")
             finally:
                 # The wait is already enqueued; destroying the event does not cancel it.
                 driver.cuEventDestroy_v2(fence)
-        if self._kernel is None or not self._kernel.wants(batch):
+        if self._kernel is None or not self._kernel.wants(direction, batch):
             self._copier.copy(direction, batch, stream)
             return _Pending(self._record_event(stream))
         table = self._kernel.launch(batch, stream)
@@ -293,6 +301,12 @@ class CudaCopyBackend(ThreadedCopyBackend):
     def _set_current(self) -> None:
         assert self._driver is not None
         self._driver.check(self._driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._thread_state.has_context = True
+
+    def _bind_thread(self) -> None:
+        """Driver calls need a current context in each calling thread: set it once per thread."""
+        if not getattr(self._thread_state, "has_context", False):
+            self._set_current()
 
     def _release_context_if_idle(self) -> None:
         """Drop our primary-context reference once shut down and no host memory is left."""

@@ -16,6 +16,7 @@ from cuda_fake import CUDA_ERROR_ILLEGAL_ADDRESS
 
 from kvoffload_hal.backends.cuda import _kernel
 from kvoffload_hal.backends.cuda._kernel import (
+    KERNEL_DIRECTIONS_ENV_VAR,
     KERNEL_MAX_BYTES,
     KERNEL_MAX_BYTES_ENV_VAR,
     MAX_GRID_BLOCKS,
@@ -26,7 +27,7 @@ from kvoffload_hal.hal.backend import Direction, TransferJob
 from support.polling import wait_until
 
 CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222
-KERNEL = {"kernel_max_bytes": KERNEL_MAX_BYTES}
+KERNEL = {"kernel_max_bytes": KERNEL_MAX_BYTES, "kernel_directions": "all"}
 
 
 def _job(job_id, direction, src, dst):
@@ -51,6 +52,22 @@ def test_small_blocks_go_by_one_kernel_launch_byte_for_byte(fake, make_setup):
         assert launch.count == 10  # 5 blocks, K and V: no ids are adjacent, so no runs
         assert (list(launch.grid), list(launch.block)) == ([10, 1, 1], [THREADS_PER_BLOCK, 1, 1])
     assert setup.backend.copy_kernel is not None
+
+
+def test_by_default_loads_go_by_the_kernel_and_stores_by_dma(fake, make_setup, monkeypatch):
+    """Stores run beside the model: the kernel would take its GPU cores (docs/cuda.md)."""
+    monkeypatch.delenv(KERNEL_DIRECTIONS_ENV_VAR, raising=False)
+    setup = make_setup(kernel_max_bytes=KERNEL_MAX_BYTES)
+    setup.backend.submit(_job(0, Direction.STORE, [3, 9], [5, 1]))
+    setup.backend.submit(_job(0, Direction.LOAD, [5, 1], [20, 21]))
+    assert all(r.ok for r in setup.backend.flush())
+    setup.assert_stored([3, 9], [5, 1])
+    setup.assert_loaded([5, 1], [20, 21])
+    (batch,) = fake.batches()
+    (launch,) = fake.launches()
+    assert batch.stream == setup.backend._streams[Direction.STORE]
+    assert launch.stream == setup.backend._streams[Direction.LOAD]
+    assert setup.backend.copy_kernel.startswith("copy kernel for loads of descriptors")
 
 
 def test_grid_is_capped_however_many_descriptors(fake, make_setup):
@@ -152,9 +169,13 @@ def test_shutdown_unloads_the_module_and_unregisters_every_table(fake, make_setu
     assert fake.lib.fake_ctx_refcount(0) == 0  # the context was released after them
 
 
-def test_kernel_max_bytes_zero_loads_no_module(fake, make_setup):
-    setup = make_setup(kernel_max_bytes=0)
-    setup.backend.submit(_job(0, Direction.STORE, [2], [4]))
+@pytest.mark.parametrize("off", [
+    {"kernel_max_bytes": 0, "kernel_directions": "all"},
+    {"kernel_max_bytes": KERNEL_MAX_BYTES, "kernel_directions": "off"},
+])
+def test_a_kernel_turned_off_loads_no_module(fake, make_setup, off):
+    setup = make_setup(**off)
+    setup.backend.submit(_job(0, Direction.LOAD, [2], [4]))
     assert all(r.ok for r in setup.backend.flush())
     assert fake.calls("cuModuleLoadData") == 0 and setup.backend.copy_kernel is None
 
@@ -174,3 +195,15 @@ def test_kernel_max_bytes_from_the_environment(monkeypatch):
     assert _kernel.kernel_max_bytes_setting(128) == 128  # the argument wins
     monkeypatch.delenv(KERNEL_MAX_BYTES_ENV_VAR)
     assert _kernel.kernel_max_bytes_setting(None) == KERNEL_MAX_BYTES
+
+
+def test_kernel_directions_setting(monkeypatch):
+    monkeypatch.delenv(KERNEL_DIRECTIONS_ENV_VAR, raising=False)
+    assert _kernel.kernel_directions_setting(None) == {Direction.LOAD}
+    monkeypatch.setenv(KERNEL_DIRECTIONS_ENV_VAR, "all")
+    assert _kernel.kernel_directions_setting(None) == set(Direction)
+    assert _kernel.kernel_directions_setting("off") == set()  # the argument wins
+    monkeypatch.setenv(KERNEL_DIRECTIONS_ENV_VAR, "stores")
+    with pytest.raises(ValueError, match=f"{KERNEL_DIRECTIONS_ENV_VAR}='stores': expected one "
+                                         "of loads, all, off"):
+        _kernel.kernel_directions_setting(None)

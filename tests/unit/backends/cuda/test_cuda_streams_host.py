@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 
 import numpy as np
 import pytest
@@ -233,3 +234,21 @@ def test_copy_thread_makes_the_context_current_once(fake, make_setup):
     assert all(r.ok for r in setup.backend.flush())
     assert fake.calls("cuCtxSetCurrent") == before + 1
     assert np.array_equal(setup.kv[:, 2].numpy(), setup.host_view[:, 2].numpy())
+
+
+def test_a_thread_that_never_used_the_gpu_can_submit(fake, make_setup):
+    """The driver wants a current context in every calling thread: the backend sets it
+    when it records a job's fence, whichever thread submits (found on an H100, where a
+    job submitted from a fresh thread failed with CUDA_ERROR_INVALID_CONTEXT)."""
+    setup = make_setup()
+    results = []
+
+    def submit_and_flush():
+        setup.backend.submit(TransferJob(0, Direction.STORE, [3, 4], [7, 8]))
+        results.extend(setup.backend.flush())
+
+    thread = threading.Thread(target=submit_and_flush)
+    thread.start()
+    thread.join()
+    assert [r.ok for r in results] == [True], results
+    setup.assert_stored([3, 4], [7, 8])

@@ -1,6 +1,6 @@
 """The CUDA backend on a real GPU: random blocks device -> host -> device, byte for byte,
-through the copy kernel (blocks of 16 KiB, and of 1000 bytes for its unaligned path)
-and through DMA (the kernel off; chunked batch calls too).
+through the copy kernel (blocks of 16 KiB, and of 1000 bytes for its unaligned path), the
+default split (loads by the kernel, stores by DMA) and DMA (the kernel off; chunked too).
 
 Skipped unless ``torch.cuda.is_available()``; run with
 ``.venv/bin/python -m pytest -m cuda tests/unit/backends/cuda/test_real_gpu.py``.
@@ -28,9 +28,11 @@ NUM_DEVICE_BLOCKS, NUM_HOST_BLOCKS = 256, 384
 KV_SHAPE = (2, NUM_DEVICE_BLOCKS, 16, 8, 64)
 
 
-# Backend settings per path: the default (the kernel: 16 KiB blocks), DMA, chunked DMA.
-PATHS = {"kernel": {}, "dma": {"kernel_max_bytes": 0},
-         "dma-chunked": {"kernel_max_bytes": 0, "max_descriptors": 7}}
+# Backend settings per path: the kernel both ways (16 KiB blocks), the default (loads by
+# the kernel, stores by DMA), DMA, chunked DMA.
+PATHS = {"kernel": {"kernel_directions": "all"}, "default": {},
+         "dma": {"kernel_directions": "off"},
+         "dma-chunked": {"kernel_directions": "off", "max_descriptors": 7}}
 
 
 @pytest.fixture(params=list(PATHS))
@@ -42,7 +44,7 @@ def backend_and_kv(request):
     host = backend.allocate_host(len(device_regions) * NUM_HOST_BLOCKS * block_bytes)
     backend.bind(device_regions, host_regions_for(device_regions, host.data_ptr(),
                                                   NUM_HOST_BLOCKS))
-    assert (backend.copy_kernel is None) is (request.param != "kernel")
+    assert (backend.copy_kernel is None) is request.param.startswith("dma")
     yield backend, kv, host
     backend.shutdown()
     backend.free_host(host)
@@ -86,7 +88,7 @@ def test_store_sees_compute_enqueued_before_submit(backend_and_kv):
 
 def test_kernel_copies_unaligned_blocks():
     """1000-byte blocks: neither the addresses nor the sizes are multiples of 16."""
-    backend = CudaCopyBackend("cuda:0")
+    backend = CudaCopyBackend("cuda:0", kernel_directions="all")
     kv = torch.randint(0, 256, (NUM_DEVICE_BLOCKS, 1000), dtype=torch.uint8, device="cuda:0")
     regions = backend.describe_kv_tensor(kv, NUM_DEVICE_BLOCKS)
     host = backend.allocate_host(NUM_HOST_BLOCKS * 1000)

@@ -54,8 +54,9 @@ def test_a_failing_driver_copy_fails_the_verdict(fake):
 def test_copy_kernel_round_trips_byte_exact_and_is_reported(fake):
     result = run_selfcheck("cuda", device="cpu", block_sizes=(16,), bandwidth_mib=1,
                            make_backend=lambda: FakeGpuBackend("cuda:0", library_path=fake.path,
-                                                               kernel_max_bytes=1 << 20))
+                                                               kernel_max_bytes=1 << 20,
+                                                               kernel_directions="all"))
     assert result["ok"], result["verdict"]
-    assert result["environment"]["copy_kernel"].startswith("copy kernel for descriptors")
+    assert result["environment"]["copy_kernel"].startswith("copy kernel for loads and stores")
     assert fake.launches() and not fake.batches()  # every copy went by the kernel
-    assert "\nkernel:    copy kernel for descriptors" in render_text(result)
+    assert "\nkernel:    copy kernel for loads and stores" in render_text(result)
