@@ -170,15 +170,12 @@ class CudaDriver:
 
     def __init__(self, lib: ctypes.CDLL, path: str) -> None:
         self.lib, self.path = lib, path
-        for name, argtypes in _SIGNATURES.items():
-            try:
-                fn = getattr(lib, name)
-            except AttributeError:
-                raise RuntimeError(f"{path} does not export {name}; is it a CUDA driver?") from None
-            fn.restype, fn.argtypes = _CUresult, argtypes
-            setattr(self, name, fn)
+        missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+        if missing:
+            raise RuntimeError(f"{path} does not export {missing[0]}; is it a CUDA driver?")
         self.has_kernel_launch = all(hasattr(lib, name) for name in _KERNEL_SIGNATURES)
-        for name, argtypes in _KERNEL_SIGNATURES.items() if self.has_kernel_launch else ():
+        bound = {**_SIGNATURES, **(_KERNEL_SIGNATURES if self.has_kernel_launch else {})}
+        for name, argtypes in bound.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = _CUresult, argtypes
             setattr(self, name, fn)

@@ -54,7 +54,7 @@ logger = init_logger(__name__)
 # flight and reached the link's rate; 8 blocks fell to 40 GB/s on loads.
 MAX_GRID_BLOCKS = 32
 THREADS_PER_BLOCK = 512
-# Mean descriptor bytes up to which the kernel is used; 0 turns the kernel off.
+# Mean descriptor bytes up to which the kernel is used.
 KERNEL_MAX_BYTES_ENV_VAR = "KVOFFLOAD_HAL_CUDA_KERNEL_MAX_BYTES"
 KERNEL_MAX_BYTES = 128 << 10
 # Which jobs may go by the kernel: loads (the default), all, or off.
@@ -68,9 +68,10 @@ _WORD = 8  # bytes per descriptor field (uint64)
 def kernel_max_bytes_setting(argument: int | None) -> int:
     """The backend's ``kernel_max_bytes``: the argument, else the environment, else the default."""
     if argument is None:
-        return env_int(KERNEL_MAX_BYTES_ENV_VAR, KERNEL_MAX_BYTES, minimum=0)
-    if argument < 0:
-        raise ValueError(f"kernel_max_bytes must be >= 0 (0: no copy kernel), got {argument}")
+        return env_int(KERNEL_MAX_BYTES_ENV_VAR, KERNEL_MAX_BYTES, minimum=1)
+    if argument < 1:
+        raise ValueError(f"kernel_max_bytes must be >= 1, got {argument} (kernel_directions='off' "
+                         f"turns the kernel off)")
     return argument
 
 
@@ -157,8 +158,7 @@ class KernelCopier:
     """The loaded copy kernel and its descriptor tables."""
 
     def __init__(self, driver: CudaDriver, module: int, function: int,
-                 host: HostRegistry, max_bytes: int,
-                 directions: frozenset[Direction] = KERNEL_DIRECTIONS["all"]) -> None:
+                 host: HostRegistry, max_bytes: int, directions: frozenset[Direction]) -> None:
         self._driver, self._function = driver, function
         self._module: int | None = module
         self.max_bytes, self.directions = max_bytes, directions
@@ -168,7 +168,7 @@ class KernelCopier:
     def start(cls, driver: CudaDriver, device: int, host: HostRegistry, max_bytes: int,
               directions: frozenset[Direction]) -> KernelCopier | None:
         """The kernel, or None where it is off or cannot run (logged once)."""
-        if max_bytes == 0 or not directions:
+        if not directions:
             return None
         why_not = _cannot_address_host_memory(driver, device)
         kernel = None

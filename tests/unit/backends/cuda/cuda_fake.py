@@ -114,14 +114,14 @@ class FakeDriver:
 class FakeGpuBackend(CudaCopyBackend):
     """The real backend; only the compute stream handle (from torch) is injected.
 
-    The copy kernel is off unless a test passes ``kernel_max_bytes``: the DMA tests
+    The copy kernel is off unless a test passes ``kernel_directions``: the DMA tests
     read the batch calls their jobs make (``test_cuda_kernel.py`` covers the kernel).
     """
 
     compute_stream = 0  # the legacy default stream, as torch reports it
 
-    def __init__(self, *args, kernel_max_bytes: int = 0, **kwargs) -> None:
-        super().__init__(*args, kernel_max_bytes=kernel_max_bytes, **kwargs)
+    def __init__(self, *args, kernel_directions: str | None = "off", **kwargs) -> None:
+        super().__init__(*args, kernel_directions=kernel_directions, **kwargs)
 
     def _compute_stream_handle(self) -> int:
         return self.compute_stream

@@ -57,7 +57,7 @@ def test_small_blocks_go_by_one_kernel_launch_byte_for_byte(fake, make_setup):
 def test_by_default_loads_go_by_the_kernel_and_stores_by_dma(fake, make_setup, monkeypatch):
     """Stores run beside the model: the kernel would take its GPU cores (docs/cuda.md)."""
     monkeypatch.delenv(KERNEL_DIRECTIONS_ENV_VAR, raising=False)
-    setup = make_setup(kernel_max_bytes=KERNEL_MAX_BYTES)
+    setup = make_setup(kernel_directions=None)  # the environment's, else the default
     setup.backend.submit(_job(0, Direction.STORE, [3, 9], [5, 1]))
     setup.backend.submit(_job(0, Direction.LOAD, [5, 1], [20, 21]))
     assert all(r.ok for r in setup.backend.flush())
@@ -81,7 +81,7 @@ def test_grid_is_capped_however_many_descriptors(fake, make_setup):
 
 
 def test_blocks_above_the_limit_go_by_dma(fake, make_setup):
-    setup = make_setup(kernel_max_bytes=64)  # the rig's blocks are 96 bytes
+    setup = make_setup(kernel_max_bytes=64, kernel_directions="all")  # blocks of 96 bytes
     setup.backend.submit(_job(0, Direction.STORE, [1, 8], [2, 9]))
     assert all(r.ok for r in setup.backend.flush())
     setup.assert_stored([1, 8], [2, 9])
@@ -127,35 +127,35 @@ def test_failed_launch_fails_the_job_and_the_next_job_runs(fake, make_setup):
     setup.assert_stored([2], [4])
 
 
-def test_a_kernel_that_cannot_load_leaves_every_job_to_dma(fake, make_setup, caplog,
-                                                           monkeypatch):
-    fake.lib.fake_fail_module_load(CUDA_ERROR_UNSUPPORTED_PTX_VERSION)
+@pytest.fixture
+def warnings(caplog, monkeypatch):
+    """Warnings logged from now on, ``log_once``'s memory of earlier tests cleared."""
     monkeypatch.setattr(plumbing, "_logged_messages", set())
-    with caplog.at_level(logging.WARNING):
-        setup = make_setup(**KERNEL)
-        setup.backend.submit(_job(0, Direction.STORE, [6], [1]))
-        assert all(r.ok for r in setup.backend.flush())
+    caplog.set_level(logging.WARNING)
+    return lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_kernel_that_cannot_load_leaves_every_job_to_dma(fake, make_setup, warnings):
+    fake.lib.fake_fail_module_load(CUDA_ERROR_UNSUPPORTED_PTX_VERSION)
+    setup = make_setup(**KERNEL)
+    setup.backend.submit(_job(0, Direction.STORE, [6], [1]))
+    assert all(r.ok for r in setup.backend.flush())
     setup.assert_stored([6], [1])
     assert fake.launches() == [] and len(fake.batches()) == 1
     assert setup.backend.copy_kernel is None
-    assert any("copy kernel unavailable" in r.getMessage()
-               and "CUDA_ERROR_UNSUPPORTED_PTX_VERSION" in r.getMessage()
-               for r in caplog.records)
+    assert any("copy kernel unavailable" in m and "CUDA_ERROR_UNSUPPORTED_PTX_VERSION" in m
+               for m in warnings())
 
 
-def test_a_gpu_that_cannot_address_host_memory_gets_no_kernel(fake, make_setup, caplog,
-                                                              monkeypatch):
+def test_a_gpu_that_cannot_address_host_memory_gets_no_kernel(fake, make_setup, warnings):
     """Checked before any launch: a kernel fault would end the model's CUDA context."""
     fake.lib.fake_set_host_pointer_usable(0)
-    monkeypatch.setattr(plumbing, "_logged_messages", set())
-    with caplog.at_level(logging.WARNING):
-        setup = make_setup(**KERNEL)
-        setup.backend.submit(_job(0, Direction.LOAD, [6], [1]))
-        assert all(r.ok for r in setup.backend.flush())
+    setup = make_setup(**KERNEL)
+    setup.backend.submit(_job(0, Direction.LOAD, [6], [1]))
+    assert all(r.ok for r in setup.backend.flush())
     setup.assert_loaded([6], [1])
     assert fake.launches() == [] and fake.calls("cuModuleLoadData") == 0
-    assert any("CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is not 1" in r.getMessage()
-               for r in caplog.records)
+    assert any("CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is not 1" in m for m in warnings())
 
 
 def test_shutdown_unloads_the_module_and_unregisters_every_table(fake, make_setup):
@@ -169,24 +169,20 @@ def test_shutdown_unloads_the_module_and_unregisters_every_table(fake, make_setu
     assert fake.lib.fake_ctx_refcount(0) == 0  # the context was released after them
 
 
-@pytest.mark.parametrize("off", [
-    {"kernel_max_bytes": 0, "kernel_directions": "all"},
-    {"kernel_max_bytes": KERNEL_MAX_BYTES, "kernel_directions": "off"},
-])
-def test_a_kernel_turned_off_loads_no_module(fake, make_setup, off):
-    setup = make_setup(**off)
+def test_a_kernel_turned_off_loads_no_module(fake, make_setup):
+    setup = make_setup(kernel_max_bytes=KERNEL_MAX_BYTES, kernel_directions="off")
     setup.backend.submit(_job(0, Direction.LOAD, [2], [4]))
     assert all(r.ok for r in setup.backend.flush())
     assert fake.calls("cuModuleLoadData") == 0 and setup.backend.copy_kernel is None
 
 
-@pytest.mark.parametrize("raw", ["-1", "half", "1.5"])
+@pytest.mark.parametrize("raw", ["0", "-1", "half", "1.5"])
 def test_bad_kernel_max_bytes_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv(KERNEL_MAX_BYTES_ENV_VAR, raw)
-    with pytest.raises(ValueError, match=f"{KERNEL_MAX_BYTES_ENV_VAR}.*integer >= 0"):
+    with pytest.raises(ValueError, match=f"{KERNEL_MAX_BYTES_ENV_VAR}.*integer >= 1"):
         _kernel.kernel_max_bytes_setting(None)
-    with pytest.raises(ValueError, match="kernel_max_bytes must be >= 0"):
-        _kernel.kernel_max_bytes_setting(-5)
+    with pytest.raises(ValueError, match="kernel_max_bytes must be >= 1, got 0"):
+        _kernel.kernel_max_bytes_setting(0)
 
 
 def test_kernel_max_bytes_from_the_environment(monkeypatch):
