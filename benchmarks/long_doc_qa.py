@@ -166,7 +166,9 @@ def engine_spec(config: str, num_docs: int, length: int, model: str,
         # is ever evicted and nothing is preempted, whatever the batching.
         num_gpu_blocks = 2 * num_docs * blocks_per_doc
     else:
-        num_gpu_blocks = DEVICE_DOCS * blocks_per_doc
+        # vLLM keeps block 0 as its null block: one more, or the device holds one
+        # block less than 8 whole requests, and 8 concurrent requests preempt.
+        num_gpu_blocks = DEVICE_DOCS * blocks_per_doc + 1
     return EngineSpec(
         model=model,
         num_gpu_blocks=num_gpu_blocks,

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvoffload_hal import vllm_compat
 from kvoffload_hal.eviction.base import Eviction
 from kvoffload_hal.eviction.duel import (
     BIMODAL_EVERY,
@@ -160,6 +161,29 @@ class AdaptiveEviction(Eviction):
             for b in front:
                 queue.remove(b)
             queue.prepend_n(front)  # deepest first: it is the next one evicted
+
+    def before_allocate(self, num_blocks: int) -> None:
+        """The allocation that starts evicting takes prompt ends first too.
+
+        ``release`` puts them at the head only once the tier is full; the allocation
+        that fills it (fewer blocks without a hash at the head than it takes) would
+        otherwise evict in vLLM's order, the oldest prompt's blocks, and a tier
+        filled for the first time kept its prompt ends and lost whole prefixes. The
+        ends go right behind the blocks that evict nothing."""
+        if not self._ends:
+            return
+        empty = []
+        for block in vllm_compat.iter_free_blocks(self.pool.free_block_queue):
+            if block.block_hash is not None or len(empty) == num_blocks:
+                break
+            empty.append(block)
+        if not empty or len(empty) == num_blocks:
+            return  # full (``release`` placed the ends), or nothing evicted yet
+        front = empty + self._free_ends()
+        queue = self.pool.free_block_queue
+        for b in front:
+            queue.remove(b)
+        queue.prepend_n(front)
 
     def _free_ends(self) -> list[KVCacheBlock]:
         """The prompt ends still in the free queue with their hash and class, the

@@ -59,6 +59,10 @@ class Eviction:
         turn of a chat, the request itself resumed after a preemption). Called
         after :meth:`on_stored`."""
 
+    def before_allocate(self, num_blocks: int) -> None:
+        """The tier is about to take ``num_blocks`` from the head of the free queue
+        (evicting the hashes of those that have one): a last chance to order it."""
+
     def on_allocated(self, blocks: Iterable[KVCacheBlock]) -> None:
         """``blocks`` were just taken from the free queue (their old hashes evicted)."""
 

@@ -206,6 +206,7 @@ class CpuTier:
         blocks are for copies of device blocks (a store), and may be fewer than
         asked where the rest would evict such copies.
         """
+        self.eviction.before_allocate(num_blocks)
         num_blocks = self.device_copies.make_room(num_blocks, keep, for_device_blocks)
         blocks = self.pool.get_new_blocks(num_blocks)
         self.eviction.on_allocated(blocks)

@@ -95,6 +95,20 @@ def test_blocks_that_end_a_prompt_go_first_once_the_tier_is_full():
         assert (_hit_blocks(tier, a, hashes), _hit_blocks(tier, b, hashes)) == (a_hits, b_hits)
 
 
+def test_prompt_ends_go_first_when_the_tier_fills_for_the_first_time():
+    """B, then A (whose last block ends its prompt) leave one block free; C's two
+    blocks take it and evict one more: A's end, not one of B's blocks (vLLM's
+    order takes B's first, so B has no hit left)."""
+    for eviction, a_hits, b_hits in (("adaptive", 3, 3), ("lru", 4, 0)):
+        tier, hashes = _tier(8, eviction, [LRU_ORDER]), KeyHashes()
+        a, b, c = _chain(1, 4), _chain(2, 3), _chain(3, 2)
+        _store(tier, b, hashes)
+        _store(tier, a, hashes, ends=a[-1:])
+        _store(tier, c, hashes)
+        assert (_hit_blocks(tier, a, hashes), _hit_blocks(tier, b, hashes)) == (a_hits, b_hits)
+        assert _hit_blocks(tier, c, hashes) == 2
+
+
 def test_a_block_that_ends_a_prompt_is_an_ordinary_block_once_loaded():
     """A longer prompt read it: it has a use, and goes where its class says (here
     vLLM's order, which takes B, the older, first)."""
