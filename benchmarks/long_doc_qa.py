@@ -24,12 +24,13 @@ disk tier behind the CPU tier big enough for every document (write-through, so
 the warm-up pass fills it). It matters where the working set outgrows the CPU
 tier: at 64 documents a CPU tier of 30 serves few hits in a random order.
 
-Engine (3) runs once per ``--eviction`` policy and ``--device-copies`` mode (the
-first of each is named ``prefix-cache+offload``, others ``prefix-cache+offload[<policy>,
-<mode>]``; ``adaptive-no-ends``: ``adaptive`` without its rule for blocks that end a
-prompt, ``eviction_variants.py``). Its CPU tier records its block access
-trace; the eviction summary gives its hit blocks as a fraction of Belady's optimum
-on that trace, next to LRU's and vLLM's offloading policies' replays of it, and its
+Engine (3) runs once per ``--eviction`` policy, ``--device-copies`` mode and
+``--load-room`` (``defer``: ``defer_loads_without_room``); the first of each is named
+``prefix-cache+offload``, others ``prefix-cache+offload[<what differs>]``
+(``adaptive-no-ends``: ``adaptive`` without its rule for blocks that end a prompt,
+``eviction_variants.py``). Its CPU tier records its block access trace; the
+eviction summary gives its hit blocks as a fraction of Belady's optimum on that
+trace, next to LRU's and vLLM's offloading policies' replays of it, and its
 computed tokens against the minimum (every prefix served from a cache). The
 hierarchy summary gives, for every engine, the prompt blocks any of its caches
 served against Belady's optimum of all of them together (device cache, CPU tier,
@@ -43,7 +44,7 @@ tier hits. Prints a table and writes ``docs/benchmarks/long_doc_qa.{md,png}``.
 
     python benchmarks/long_doc_qa.py [--num-documents 16 32 64] [--document-length 256]
                                      [--eviction adaptive adaptive-no-ends lru]
-                                     [--device-copies drop keep]
+                                     [--device-copies drop keep] [--load-room off defer]
                                      [--repeats 1] [--disk [--disk-dir DIR]]
                                      [--same-batch-limit] [--quick]
 """
@@ -70,6 +71,7 @@ from long_doc_qa_report import (
     SAME_BATCH,
     eviction_table,
     format_table,
+    num_params,
     offload_label,
     print_result,
     write_plot,
@@ -136,12 +138,6 @@ def block_bytes(spec: TinyModelSpec) -> int:
             * BLOCK_SIZE * BF16_BYTES)
 
 
-def num_params(spec: TinyModelSpec, vocab: int) -> int:
-    h, i, kv = spec.hidden_size, spec.intermediate_size, spec.num_key_value_heads * spec.head_dim
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
-    return spec.num_hidden_layers * per_layer + 2 * vocab * h + h
-
-
 def documents(num_docs: int, length: int, vocab: int) -> list[list[int]]:
     docs = []
     for i in range(num_docs):
@@ -152,11 +148,12 @@ def documents(num_docs: int, length: int, vocab: int) -> list[list[int]]:
 
 def engine_spec(config: str, num_docs: int, length: int, model: str,
                 disk_dir: str | None = None, eviction: str = DEFAULT_EVICTION,
-                device_copies: str = DEFAULT_DEVICE_COPIES) -> EngineSpec:
+                device_copies: str = DEFAULT_DEVICE_COPIES, load_room: str = "off") -> EngineSpec:
     blocks_per_doc = -(-(length + OUTPUT_TOKENS) // BLOCK_SIZE)
     extra = {}
     if config in (OFFLOAD, DISK):
-        extra.update(eviction=eviction, device_copies=device_copies)
+        extra.update(eviction=eviction, device_copies=device_copies,
+                     defer_loads_without_room=load_room == "defer")
     if config == DISK:
         # Room for every document's full blocks, with a spare document.
         extra.update(disk_path=disk_dir, disk_bytes_to_use=disk_blocks(num_docs, length)
@@ -166,8 +163,7 @@ def engine_spec(config: str, num_docs: int, length: int, model: str,
         # is ever evicted and nothing is preempted, whatever the batching.
         num_gpu_blocks = 2 * num_docs * blocks_per_doc
     else:
-        # vLLM keeps block 0 as its null block: one more, or the device holds one
-        # block less than 8 whole requests, and 8 concurrent requests preempt.
+        # + 1: vLLM's null block; without it 8 whole requests do not fit, and preempt.
         num_gpu_blocks = DEVICE_DOCS * blocks_per_doc + 1
     return EngineSpec(
         model=model,
@@ -197,7 +193,7 @@ def minimum_computed_tokens(num_docs: int, length: int) -> int:
 
 def run_one(config: str, docs: list[list[int]], seed: int, model: str,
             disk_root: str | None = None, eviction: str = DEFAULT_EVICTION,
-            device_copies: str = DEFAULT_DEVICE_COPIES) -> Result:
+            device_copies: str = DEFAULT_DEVICE_COPIES, load_room: str = "off") -> Result:
     set_inprocess_env()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -206,7 +202,7 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
     if config == DISK:  # a fresh, empty directory per run
         disk_dir = tempfile.mkdtemp(prefix="long_doc_qa_disk_", dir=disk_root)
     spec = engine_spec(config, len(docs), len(docs[0]), model, disk_dir, eviction,
-                       device_copies)
+                       device_copies, load_room)
     # Stats logging on: RequestOutput.metrics carries each request's TTFT.
     llm = LLM(**spec.llm_kwargs(), disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
@@ -231,11 +227,10 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
         ttft = [o.metrics.first_token_latency for o in outputs if o.metrics is not None]
         hits = totals.get("cpu_hit_tokens", 0) - hits_before
         result = Result(len(docs), config, wall, ttft,
-                      cached_tokens=sum(o.num_cached_tokens or 0 for o in outputs),
-                      prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
-                      cpu_hit_tokens=hits, steps=counter[0], scheduled_tokens=counter[1],
-                        preemptions=sum(o.metrics.num_preemptions for o in outputs
-                                        if o.metrics is not None))
+                        cached_tokens=sum(o.num_cached_tokens or 0 for o in outputs),
+                        prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+                        cpu_hit_tokens=hits, steps=counter[0], scheduled_tokens=counter[1],
+                        preemptions=sum(o.metrics.num_preemptions for o in outputs if o.metrics))
         if config == DISK:
             result.extra["blocks_from_disk"] = totals.get("blocks_from_disk", 0) - promoted_before
         result.extra["hierarchy"] = dict(
@@ -244,7 +239,8 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
             hits=sum((o.num_cached_tokens or 0) // BLOCK_SIZE for o in outputs))
         if conn is not None:
             cpu = conn.scheduler.cpu
-            result.policy = f"{eviction}, {device_copies}"
+            defer = ", defer" if load_room == "defer" else ""
+            result.policy = f"{eviction}, {device_copies}{defer}"
             # The pool's block 0 is vLLM's null block: it never caches.
             result.extra["trace_hits"] = recorded_trace_hits(cpu.eviction.trace,
                                                              cpu.num_blocks - 1)
@@ -307,6 +303,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"what the CPU tier of {OFFLOAD} does with copies of blocks the "
                              "device holds, one run each with each --eviction (the first is "
                              "the one compared in the main table)")
+    parser.add_argument("--load-room", nargs="+", default=["off"], choices=("off", "defer"),
+                        help=f"{OFFLOAD}'s defer_loads_without_room (defer: on), one run each")
     parser.add_argument("--disk", action="store_true",
                         help=f"also run {DISK}: a disk tier holding every document")
     parser.add_argument("--same-batch-limit", action="store_true",
@@ -358,18 +356,19 @@ def run_all(args: argparse.Namespace, model: str, vocab: int) -> list[Result]:
     results: list[Result] = []
     for n in args.num_documents:
         docs = documents(n, args.document_length, vocab)
-        first = (args.eviction[0], args.device_copies[0])
-        runs_of = [(c, p, m) for c in args.configs
+        first = (args.eviction[0], args.device_copies[0], args.load_room[0])
+        runs_of = [(c, p, m, d) for c in args.configs
                    for p in (args.eviction if c == OFFLOAD else first[:1])
-                   for m in (args.device_copies if c == OFFLOAD else first[1:])]
-        rounds = [[run_one(config, docs, args.seed, model, args.disk_dir, policy, copies)
-                   for config, policy, copies in runs_of] for _ in range(args.repeats)]
-        for k, (config, policy, copies) in enumerate(runs_of):
+                   for m in (args.device_copies if c == OFFLOAD else first[1:2])
+                   for d in (args.load_room if c == OFFLOAD else first[2:])]
+        rounds = [[run_one(config, docs, args.seed, model, args.disk_dir, *choice)
+                   for config, *choice in runs_of] for _ in range(args.repeats)]
+        for k, (config, *choice) in enumerate(runs_of):
             runs = [r[k] for r in rounds]
             best = min(runs, key=lambda r: r.wall_s)
             best.extra["all_wall_s"] = [round(r.wall_s, 3) for r in runs]
             if config == OFFLOAD:
-                best.config = offload_label((policy, copies), first)
+                best.config = offload_label(tuple(choice), first)
             results.append(best)
             print_result(n, best, config)
     return results

@@ -24,6 +24,13 @@ TARGET_DISK_SPEEDUP = 1.5
 Result = Any  # long_doc_qa.Result
 
 
+def num_params(spec: Any, vocab: int) -> int:
+    """Parameters of a tiny Llama (``TinyModelSpec``) with a vocabulary of ``vocab``."""
+    h, i, kv = spec.hidden_size, spec.intermediate_size, spec.num_key_value_heads * spec.head_dim
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+    return spec.num_hidden_layers * per_layer + 2 * vocab * h + h
+
+
 def offload_label(choice: tuple[str, ...], first: tuple[str, ...]) -> str:
     """Engine (3) with the first of each choice (eviction policy, device copies), or
     another, named apart by what differs."""

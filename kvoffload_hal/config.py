@@ -56,6 +56,12 @@ timeout_s``                         stepping for its last stores and tier writes
                                     stops), and, again, longest the workers wait at
                                     shutdown for tier writes still running; writes
                                     unfinished then are dropped whole (seconds >= 0)
+``defer_loads_without_  ``false``   a CPU-tier hit waits (vLLM asks again next
+room``                              step) while the device's free blocks, less its
+                                    prompt's, would not cover the blocks the
+                                    running requests start next step: admitted,
+                                    vLLM would preempt it then (models with one KV
+                                    cache group; ``scheduler/admission.py``)
 ======================  ==========  =================================================
 
 Each secondary tier owns its keys and documents them: the disk tier
@@ -113,7 +119,7 @@ DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S = 2.0
 
 CORE_KEYS = ("cpu_bytes_to_use", "lazy_offload", "load_mode", "allow_overcommit", "eviction",
              "device_copies", "prefetch_requests", "prefetch_cpu_share", "prefetch_blocks",
-             "shutdown_flush_timeout_s")
+             "shutdown_flush_timeout_s", "defer_loads_without_room")
 LOAD_MODES = ("auto", "async", "sync")
 
 
@@ -129,6 +135,7 @@ class OffloadConfig:
     prefetch_cpu_share: float = DEFAULT_PREFETCH_CPU_SHARE
     prefetch_blocks: int = 0  # 0: the share alone caps what prefetched requests hold
     shutdown_flush_timeout_s: float = DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S
+    defer_loads_without_room: bool = False
     tier: TierSpec | None = None  # the secondary tier behind the CPU tier, if any
 
     @classmethod
@@ -158,6 +165,8 @@ class OffloadConfig:
             prefetch_blocks=count("prefetch_blocks", extra.get("prefetch_blocks", 0), "blocks"),
             shutdown_flush_timeout_s=seconds("shutdown_flush_timeout_s", extra.get(
                 "shutdown_flush_timeout_s", DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S)),
+            defer_loads_without_room=boolean("defer_loads_without_room", extra.get(
+                "defer_loads_without_room", False)),
             tier=parse_tier(extra),
         )
 

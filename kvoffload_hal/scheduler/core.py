@@ -38,6 +38,7 @@ from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvoffload_hal.metrics import OffloadStats, StatsLedger
+from kvoffload_hal.scheduler.admission import LoadRoom
 from kvoffload_hal.scheduler.cascade.build import build_cascade
 from kvoffload_hal.scheduler.cascade.prefetch import build_prefetcher
 from kvoffload_hal.scheduler.cascade.staged import StagedHits
@@ -91,9 +92,11 @@ class OffloadScheduler:
         self.cascade.bind_copies(self._copies_in_flight)
         self.prefetch = build_prefetcher(config, self.caps.secondary_tier, self.cpu,
                                          self.cascade, block_size, self.stats)
+        self.room = LoadRoom(block_size, config.defer_loads_without_room
+                             and len(kv_cache_config.kv_cache_groups) == 1)
         # Every event of a request's or a step's life goes to each part, in this order.
         self._parts: tuple[RequestPart, ...] = (self.prefetch, self.loads, self.staged,
-                                                self.cascade)
+                                                self.cascade, self.room)
         self.gpu_pool: BlockPool | None = None
         # Requests answered with an asynchronous load, and those whose load landed
         # (vLLM < 0.32: see _lets_landed_loads_in).
@@ -177,6 +180,8 @@ class OffloadScheduler:
                 return None, False  # a promotion into the CPU tier is in flight: ask later
         if hit_tokens <= 0:
             return 0, False
+        if self.room.defers(request, num_computed_tokens):
+            return None, False  # vLLM would preempt a request next step: ask later
         self.loads.hold_hit(req_id, hit, num_computed_tokens)
         self.stores.store_ahead(self.policy, hit_tokens)
         if not self.caps.sync_loads:
@@ -202,6 +207,7 @@ class OffloadScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         self.policy.on_allocated(request, len(blocks.get_block_ids()))
+        self.room.on_allocated(request)
         if not self.staged.plan(request.request_id, blocks, num_external_tokens):
             self.loads.plan(request.request_id, blocks, num_external_tokens)
 
@@ -209,6 +215,7 @@ class OffloadScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         for req_id in scheduler_output.preempted_req_ids or ():
             self.policy.on_preempted(req_id)
+            self.room.on_preempted(req_id)
         for part in self._parts:
             part.release_unallocated()
         # Staged hits take the CPU room first: a request waits on them, while stores
