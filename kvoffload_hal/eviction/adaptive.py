@@ -156,11 +156,7 @@ class AdaptiveEviction(Eviction):
                      and to_head(placement)]
         if front or new_ends:
             # Prompt ends first, then the blocks the candidate sends to the head.
-            front = self._free_ends() + front
-            queue = self.pool.free_block_queue
-            for b in front:
-                queue.remove(b)
-            queue.prepend_n(front)  # deepest first: it is the next one evicted
+            self._put_first(self._free_ends() + front)
 
     def before_allocate(self, num_blocks: int) -> None:
         """The allocation that starts evicting takes prompt ends first too.
@@ -179,7 +175,10 @@ class AdaptiveEviction(Eviction):
             empty.append(block)
         if not empty or len(empty) == num_blocks:
             return  # full (``release`` placed the ends), or nothing evicted yet
-        front = empty + self._free_ends()
+        self._put_first(empty + self._free_ends())
+
+    def _put_first(self, front: list[KVCacheBlock]) -> None:
+        """``front`` at the head of the free queue, in order: ``front[0]`` goes next."""
         queue = self.pool.free_block_queue
         for b in front:
             queue.remove(b)

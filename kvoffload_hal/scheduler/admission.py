@@ -58,6 +58,8 @@ class LoadRoom(RequestPart):
         self.gpu_pool = gpu_pool
 
     def on_allocated(self, request: Request) -> None:
+        if not self.enabled:
+            return  # nothing to count for
         self._running[request.request_id] = request
         self._deferred.pop(request.request_id, None)
 
