@@ -1,7 +1,9 @@
 """A frozen ``mooncake_master`` (SIGSTOP) under running engines: the circuit breaker.
 
 The first request pays the full ``mooncake_timeout_s``; the breaker opens and
-the requests after it do not wait at all. After SIGCONT the stuck calls end,
+the requests after it do not wait at all. What is asserted is what a user sees
+(one full wait, then none, the breaker open once), not which of the scheduler's
+two timeout checks ended the wait. After SIGCONT the stuck calls end,
 and once the window passed one request probes the store, the breaker closes,
 and reads and writes work again.
 """
@@ -64,7 +66,13 @@ def test_a_frozen_master_costs_one_timeout_then_the_tier_comes_back(master, make
     assert first >= TIMEOUT_S and max(later) < TIMEOUT_S / 2, (first, later)
     assert breaker.state.value == "open"
     totals = reader.offload.totals.data
-    assert totals["mooncake_timeouts"] == 1 and totals["mooncake_breaker_opens"] == 1
+    # One full wait opened the breaker once, and the requests after it skipped the
+    # store. Which check ends that wait is a race between two in the scheduler: the
+    # request's own (it counts mooncake_timeouts, then opens the breaker) or the
+    # in-flight job's (it opens the breaker; the request, skipped on its next
+    # lookup, counts a skip). A loaded host's slow step lets either come first.
+    assert totals["mooncake_breaker_opens"] == 1
+    assert totals.get("mooncake_timeouts", 0) <= 1
     assert totals["mooncake_breaker_skips"] >= 3
     assert "blocks_from_mooncake" not in totals
 
