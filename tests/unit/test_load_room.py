@@ -26,8 +26,9 @@ def _docs(n, seed):
     return [[rng.randrange(1, 90) for _ in range(DOC_BLOCKS * BS)] for _ in range(n)]
 
 
-def _run(make_engine, defer):
-    engine = make_engine(**ENGINE, extra_config={"defer_loads_without_room": defer})
+def _run(make_engine, defer, **engine_args):
+    engine = make_engine(**{**ENGINE, **engine_args},
+                         extra_config={"defer_loads_without_room": defer})
     docs, fillers = _docs(3, 1), _docs(3, 2)
     for i, d in enumerate(docs + fillers):  # one at a time: the fillers evict the docs
         engine.add(f"warm{i}", d, max_tokens=2)
@@ -71,3 +72,48 @@ def test_the_setting_is_off_by_default_and_checked():
         {"defer_loads_without_room": True}).defer_loads_without_room is True
     with pytest.raises(ValueError, match="defer_loads_without_room"):
         OffloadConfig.from_extra_config({"defer_loads_without_room": "maybe"})
+
+
+def test_a_load_whose_room_is_exactly_enough_is_admitted(make_engine):
+    """15 usable blocks: when the third document is looked up, the first two hold 8 and
+    the third's prompt takes 4, which leaves 3, the blocks the three start in the next
+    step. It is admitted, and nothing is preempted."""
+    engine, preempted = _run(make_engine, defer=True, num_gpu_blocks=16)
+    assert engine.offload.room.num_deferred == 0
+    assert preempted == 0
+
+
+@pytest.fixture
+def gate():
+    from support import backend_doubles
+
+    backend_doubles.GatedCpuBackend.gate.set()
+    yield backend_doubles.GatedCpuBackend.gate
+    backend_doubles.GatedCpuBackend.gate.set()
+
+
+def test_a_lone_load_is_never_deferred(make_engine, gate):
+    """No request runs, so none can take the room back: a CPU-tier hit is admitted
+    even though the device's free blocks cover only its prompt (the rest is held by a
+    finished request's store, which gives it back)."""
+    engine = make_engine(backend="gated-cpu", num_gpu_blocks=9, cpu_blocks=64,
+                         extra_config={"defer_loads_without_room": True})
+    doc, filler, other = _docs(1, 1)[0], _docs(2, 2)[0] * 2, _docs(1, 3)[0]
+    for i, prompt in enumerate((doc, filler)):  # the filler's 8 blocks evict the doc
+        engine.add(f"warm{i}", prompt, max_tokens=1)
+        engine.run_until_done()
+        engine.drain()
+    gate.clear()  # copies wait: "other"'s 4 blocks stay held by its store
+    engine.add("other", other, max_tokens=1)
+    engine.run_until_done()
+    gpu_pool = engine.scheduler.kv_cache_manager.block_pool
+    assert gpu_pool.get_num_free_blocks() == DOC_BLOCKS  # the doc's prompt, no more
+    engine.add("doc", doc, max_tokens=4)
+    engine.step()
+    assert engine.offload.room.num_deferred == 0
+    gate.set()
+    engine.run_until_done()
+    engine.drain()
+    assert engine.cached_tokens["doc"] == (DOC_BLOCKS - 1) * BS  # came from the CPU tier
+    assert engine.preemptions == 0
+    engine.assert_idle()
