@@ -1,14 +1,14 @@
 """What this deployment can do, decided once and read by both connector roles.
 
-Three facts used to be re-derived wherever they mattered; they are resolved
-here from the KV cache config, the connector config and the selected copy
-backend (registry data: no backend module is imported, no device is touched):
+Resolved here from the KV cache config, the connector config and the selected
+copy backend (registry data: no backend module is imported, no device is touched):
 
 * ``single_group``: the model has one KV cache group. vLLM maps block-level
   load errors back to requests only then (block ids are per group), and
   synchronous loads rely on that mapping.
-* ``load_recovery``: how vLLM learns of a failed load, so that it recomputes
-  instead of reading the blocks (see :class:`LoadRecovery`).
+* ``vllm``: what differs on older vLLM releases, behind one
+  :class:`~kvoffload_hal.vllm_strategy.VllmStrategy` (among others, how vLLM
+  learns of a failed load: ``vllm.load_recovery``).
 * ``synchronous_compute``: the backend's forward pass has finished when the
   worker submits a step's copies (vLLM's CPU platform), as the HAL states.
 * ``sync_loads``: ``load_mode`` resolved; ``tier``: the name of the secondary
@@ -18,32 +18,24 @@ backend (registry data: no backend module is imported, no device is touched):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvoffload_hal import vllm_compat
 from kvoffload_hal.config import OffloadConfig
 from kvoffload_hal.hal import registry as backends
 from kvoffload_hal.tiers.registry import tier_runs
+from kvoffload_hal.vllm_strategy import (
+    LoadFailedError,
+    LoadRecovery,
+    VllmStrategy,
+    select_strategy,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-class LoadRecovery(Enum):
-    """How vLLM is kept from reading the blocks of a failed load (the value says it)."""
-
-    BLOCKS = "the device blocks that failed are reported; vLLM recomputes from the first"
-    REQUESTS = "the request is reported failed (KVConnectorOutput.failed_recving)"
-    # vLLM < 0.32 with several groups: its invalid-block path reads one group
-    # per request, and rewinding a request to its valid tokens is not safe
-    # (vLLM releases sliding-window and Mamba blocks behind the tokens it
-    # counts as computed), so the copy is tried again.
-    RETRY = ("the copy is tried again from the CPU blocks it holds; if it fails again the "
-             "engine stops with an error, before any block is read")
-
-
-class LoadFailedError(RuntimeError):
-    """A load failed where this vLLM cannot recompute it (``LoadRecovery.RETRY``)."""
+# LoadRecovery and LoadFailedError are imported from here as well.
+__all__ = ["Capabilities", "LoadFailedError", "LoadRecovery", "resolve_capabilities",
+           "sleep_refusal"]
 
 
 @dataclass(frozen=True)
@@ -51,13 +43,18 @@ class Capabilities:
     single_group: bool
     synchronous_compute: bool
     sync_loads: bool
+    vllm: VllmStrategy
     tier: str | None = None
-    load_recovery: LoadRecovery = LoadRecovery.BLOCKS
 
     @property
     def secondary_tier(self) -> bool:
         """A tier behind the CPU tier runs."""
         return self.tier is not None
+
+    @property
+    def load_recovery(self) -> LoadRecovery:
+        """How vLLM learns of a failed load (``vllm.load_recovery``)."""
+        return self.vllm.load_recovery
 
     @property
     def report_failed_blocks(self) -> bool:
@@ -82,15 +79,7 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
         sync_loads = config.load_mode == "sync"
     runs = tier_runs(config.tier, kv_cache_config)
     return Capabilities(single_group, synchronous_compute, sync_loads,
-                        tier=config.tier.name if runs else None,
-                        load_recovery=_load_recovery(kv_cache_config))
-
-
-def _load_recovery(kv_cache_config: KVCacheConfig) -> LoadRecovery:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) == 1:
-        return LoadRecovery.BLOCKS
-    return LoadRecovery.REQUESTS if vllm_compat.REPORTS_FAILED_RECVING else LoadRecovery.RETRY
+                        select_strategy(num_groups), tier=config.tier.name if runs else None)
 
 
 def sleep_refusal(config: OffloadConfig) -> str | None:

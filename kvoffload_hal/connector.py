@@ -23,11 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.capabilities import sleep_refusal
 from kvoffload_hal.config import OffloadConfig
+from kvoffload_hal.exit_flush import ExitFlush
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadHandshake
 from kvoffload_hal.metrics import OffloadPromMetrics, OffloadStats
 from kvoffload_hal.scheduler.core import OffloadScheduler
-from kvoffload_hal.scheduler.exit_flush import ExitFlush
 from kvoffload_hal.worker.core import OffloadWorker
 
 if TYPE_CHECKING:
@@ -43,11 +43,6 @@ logger = init_logger(__name__)
 
 
 class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
-    # Every hit is loaded from host memory (blocks promoted from disk reach the
-    # device through the CPU tier too); where vLLM counts hits by source.
-    if vllm_compat.HOST_HIT_SOURCE is not None:
-        _cache_hit_source = vllm_compat.HOST_HIT_SOURCE
-
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -63,8 +58,12 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: OffloadWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = OffloadScheduler(vllm_config, kv_cache_config, config)
+            caps = self.scheduler.caps
             self.exit_flush = ExitFlush.for_engine(config.shutdown_flush_timeout_s,
-                                                   self.scheduler.caps.secondary_tier)
+                                                   caps.secondary_tier, caps.vllm)
+            # Every hit is loaded from host memory (blocks promoted from disk reach the
+            # device through the CPU tier too), where vLLM counts hits by source.
+            self._cache_hit_source = caps.vllm.hit_source()
         else:
             self.worker = OffloadWorker(vllm_config, kv_cache_config, config)
 
@@ -122,7 +121,7 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         delayed, params = self.scheduler.request_finished(request, block_ids)
-        # vLLM < 0.32: the last request may be held for the last writes (exit_flush.py).
+        # The last request may be held for the last writes (exit_flush.py).
         return self.exit_flush.on_finished(request.request_id, delayed,
                                            self.scheduler.has_pending_transfers()), params
 
@@ -141,7 +140,7 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         """Keeps an idle engine stepping until the last stores and spills are confirmed,
         for at most ``shutdown_flush_timeout_s`` after its last request finished
-        (scheduler/exit_flush.py); the engine core also asks while it shuts down.
+        (exit_flush.py); the engine core also asks while it shuts down.
 
         Until a step collects a store's result, its device blocks stay pinned and
         its CPU copy unpublished. vLLM < 0.32 never asks: there the last request is

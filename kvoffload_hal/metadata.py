@@ -88,7 +88,7 @@ class OffloadMetadata(KVConnectorMetadata):
     # A request was preempted: wait for every transfer before blocks are reused.
     need_flush: bool = False
     # Finished requests whose blocks vLLM may free now: kept at their finish until
-    # the last writes were done (scheduler/exit_flush.py), reported in finished_sending.
+    # the last writes were done (exit_flush.py), reported in finished_sending.
     release_requests: tuple[str, ...] = ()
 
 
@@ -116,8 +116,9 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     loads: dict[int, JobReport] = field(default_factory=dict)  # synchronous loads only
     rounds: dict[int, JobReport] = field(default_factory=dict)  # staged rounds but the last
     tier: dict[int, JobReport] = field(default_factory=dict)
-    # Requests whose asynchronous load failed on this rank, for a model with
-    # several KV cache groups (vLLM < 0.32 has no per-request failure report).
+    # Requests whose asynchronous load failed on this rank, for a model with several
+    # KV cache groups: vLLM is told per request, or the load is sent again
+    # (VllmStrategy.settle_load decides, VllmStrategy.on_failed_loads reads it).
     failed_loads: set[str] = field(default_factory=set)
     # A restarted secondary tier: blocks found from before the restart (a key
     # once per rank that holds it), and how many ranks finished looking.

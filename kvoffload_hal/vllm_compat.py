@@ -4,7 +4,12 @@ Supported: vLLM 0.23 (the release the latest stable vllm-ascend runs on) to
 0.33. Each difference is detected on the objects themselves (a field, an
 attribute, a parameter), never from a version string: vllm-ascend and other
 builds patch vLLM at run time, and a feature check follows what is really there.
-The rest of the package calls these helpers and reads as if there were one vLLM.
+The helpers here smooth over differences of API shape (the same thing, reached
+another way). Where the connector must *behave* differently on older vLLM (how a
+failed load is recovered, whether the last request is held for the last writes,
+whether landed loads are tracked), :mod:`kvoffload_hal.vllm_strategy` decides,
+once per model, from the flags below; the rest of the package calls the strategy
+(``caps.vllm``) and these helpers, and tests no release itself.
 
 =================================  ==================  ===============================
 what                               missing before      here
@@ -16,7 +21,7 @@ what                               missing before      here
                                                        reported per block for one KV
                                                        cache group only; with more,
                                                        a failed load is sent again
-                                                       (``LoadRecovery.RETRY``)
+                                                       (``vllm_strategy``)
 ``get_kv_cache_coordinator``       (changed)           :func:`make_coordinator` passes
 keyword arguments                                      the arguments the factory names
 ``find_longest_cache_hit``         (2 values, not 3)   :func:`find_longest_cache_hit`
@@ -33,9 +38,13 @@ keyword arguments                                      the arguments the factory
                                                        (benchmarks)
 ``CacheHitSource`` (hits counted   0.32                :data:`HOST_HIT_SOURCE`: the
 by source)                                             connector's hits count as host
-``has_pending_push_work``          0.32 (never         see ``HALOffloadConnector``: the
-                                   called before)      last stores of an idle engine
-                                                       wait for its next step
+``has_pending_push_work``          0.32 (never         :data:`STEPS_FOR_PUSH_WORK`:
+                                   called before)      before, the last request is held
+                                                       for the last writes
+                                                       (``exit_flush``, ``vllm_strategy``)
+``Scheduler._holds_kv_blocks``     0.32                :func:`block_holders_first`:
+(requests holding blocks first)                        before, landed loads are tracked
+                                                       (``vllm_strategy``)
 ``has_positionally_stable_blocks``  0.32                :func:`positionally_stable`:
 (Mamba 'align' state)                                  older managers keep a block per
                                                        position

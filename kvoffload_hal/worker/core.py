@@ -206,7 +206,7 @@ class OffloadWorker:
         Returns ``(finished_sending, finished_recving, failed_recving)``; a failed
         load is in both of the last two, so the request leaves its wait state.
         ``finished_sending``: requests the scheduler held for its last writes and
-        releases now (scheduler/exit_flush.py).
+        releases now (exit_flush.py).
         """
         released, self._release = self._release, set()
         if self.backend is None:

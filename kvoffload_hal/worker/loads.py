@@ -13,13 +13,18 @@
   reported in the worker metadata and a failure kept for the last round, which
   finishes the request, failed if any of its rounds failed or left blocks unfilled
   (with load recovery ``retry`` the engine stops instead: the hit was checked first).
+
+How an asynchronous load's end is reported depends on the vLLM release and the
+model: :meth:`~kvoffload_hal.vllm_strategy.VllmStrategy.settle_load` and
+:meth:`~kvoffload_hal.vllm_strategy.VllmStrategy.settle_staged_hit` decide, and
+report through this object's :class:`~kvoffload_hal.vllm_strategy.LoadSink` methods.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvoffload_hal.capabilities import LoadFailedError, LoadRecovery
 from kvoffload_hal.metadata import JobReport, LoadSpec, OffloadWorkerMetadata
 
 if TYPE_CHECKING:
@@ -30,11 +35,11 @@ class LoadOutcomes:
     """One worker's load results, until vLLM and the scheduler side collect them."""
 
     def __init__(self, caps: Capabilities) -> None:
-        self.caps = caps
+        self.vllm = caps.vllm
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         self.error_blocks: set[int] = set()
-        self._reported: set[str] = set()  # LoadRecovery.RETRY only
+        self._reported: set[str] = set()  # finish_once: until vLLM says they finished
         self._failed_rounds: dict[str, list[int]] = {}  # staged hits: until the last round
 
     def on_result(self, load: LoadSpec, job_id: int, ok: bool,
@@ -47,12 +52,8 @@ class LoadOutcomes:
             reports.loads[job_id] = JobReport(failed=not ok)
             if not ok:
                 self.error_blocks.update(load.gpu_blocks)
-        elif self.caps.load_recovery is LoadRecovery.RETRY:
-            self._on_attempt(load, ok, reports)
         else:
-            self.finished.update(load.req_ids)
-            if not ok:
-                self._fail(load.req_ids, load.gpu_blocks, reports)
+            self.vllm.settle_load(self, load, ok, reports)
 
     def take(self) -> tuple[set[str], set[str]]:
         """(finished, failed) requests since the last call."""
@@ -67,13 +68,20 @@ class LoadOutcomes:
     def forget(self, finished_req_ids: set[str]) -> None:
         self._reported.difference_update(finished_req_ids)
 
-    def _fail(self, req_ids: tuple[str, ...], gpu_blocks: list[int],
-              reports: OffloadWorkerMetadata) -> None:
-        if self.caps.report_failed_blocks:
-            self.error_blocks.update(gpu_blocks)
-        else:  # per request: in the transfer results, and to the scheduler side
-            self.failed.update(req_ids)
-            reports.failed_loads.update(req_ids)
+    # ---------------------------------------------- LoadSink (vllm_strategy.py)
+    def finish(self, req_ids: Iterable[str]) -> None:
+        self.finished.update(req_ids)
+
+    def finish_once(self, req_ids: Iterable[str]) -> None:
+        new = [q for q in req_ids if q not in self._reported]
+        self.finished.update(new)
+        self._reported.update(new)
+
+    def fail_blocks(self, gpu_blocks: Iterable[int]) -> None:
+        self.error_blocks.update(gpu_blocks)
+
+    def fail_requests(self, req_ids: Iterable[str]) -> None:
+        self.failed.update(req_ids)
 
     def _on_round(self, spec: LoadSpec, ok: bool, reports: OffloadWorkerMetadata) -> None:
         req_id = spec.req_ids[0]
@@ -85,24 +93,4 @@ class LoadOutcomes:
         failed = [*spec.failed_gpu_blocks, *self._failed_rounds.pop(req_id, ())]
         if not ok:
             failed += spec.gpu_blocks
-        if failed and self.caps.load_recovery is LoadRecovery.RETRY:
-            # The hit was checked (scheduler/cascade/staged_check.py) and its last copy
-            # still failed: this vLLM would read the blocks, it cannot recompute them.
-            raise LoadFailedError(
-                f"HALOffloadConnector: the last copy of request {req_id}'s staged KV hit "
-                f"failed ({len(failed)} device blocks unfilled), and this vLLM cannot "
-                "recompute a failed load of this model (several KV cache groups); stopping "
-                "before its blocks are read. vLLM >= 0.32 recomputes instead")
-        self.finished.add(req_id)
-        if failed:
-            self._fail(spec.req_ids, failed, reports)
-
-    def _on_attempt(self, load: LoadSpec, ok: bool, reports: OffloadWorkerMetadata) -> None:
-        """A request this rank reported finished is not reported again (vLLM counts
-        one report per rank) when another rank's failure brings its load back."""
-        if not ok:
-            reports.failed_loads.update(load.req_ids)
-            return
-        new = [q for q in load.req_ids if q not in self._reported]
-        self.finished.update(new)
-        self._reported.update(new)
+        self.vllm.settle_staged_hit(self, req_id, failed, reports)

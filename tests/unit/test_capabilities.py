@@ -60,3 +60,31 @@ def test_a_missing_backend_fails_with_its_name():
 
     with pytest.raises(BackendSelectionError, match="'nonexistent' is not a known backend"):
         _caps(1, "nonexistent")
+
+
+def test_the_vllm_strategy_is_chosen_once_from_the_release_and_the_groups():
+    from kvoffload_hal import vllm_compat
+    from kvoffload_hal.capabilities import LoadRecovery
+
+    newer = vllm_compat.REPORTS_FAILED_RECVING and vllm_compat.STEPS_FOR_PUSH_WORK
+    one, two = _caps(1).vllm, _caps(2).vllm
+    assert one.load_recovery is LoadRecovery.BLOCKS
+    assert two.load_recovery is (LoadRecovery.REQUESTS if newer else LoadRecovery.RETRY)
+    assert _caps(2).load_recovery is two.load_recovery
+    # Only where a failed load is sent again is a staged hit checked before it is offered.
+    assert two.checks_staged_hits_first() is (not newer) and not one.checks_staged_hits_first()
+    assert (two.recovery_notice() is None) is newer and one.recovery_notice() is None
+    for strategy in (one, two):
+        assert strategy.holds_last_request() is (not newer)
+        assert strategy.tracks_landed_loads() is (not newer)
+        assert (strategy.hit_source() is None) is (not newer)
+
+
+def test_failed_loads_go_back_to_the_scheduler_side_only_where_they_are_sent_again():
+    from kvoffload_hal.capabilities import LoadRecovery
+
+    two = _caps(2).vllm
+    sent, recomputed = [], []
+    two.on_failed_loads({"r"}, sent.append, recomputed.append)
+    retry = two.load_recovery is LoadRecovery.RETRY
+    assert (sent, recomputed) == (([{"r"}], []) if retry else ([], [{"r"}]))

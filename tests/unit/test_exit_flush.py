@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.scheduler.exit_flush import ExitFlush
+from kvoffload_hal.exit_flush import ExitFlush
 from support.clock import FakeClock
 
 BS = 16

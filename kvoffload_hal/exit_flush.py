@@ -1,4 +1,4 @@
-"""Scheduler side: an engine that goes idle finishes its last writes, within a bound.
+"""Connector, scheduler role: an engine that goes idle finishes its last writes, within a bound.
 
 The last stores of a finished request, and their spills to a secondary tier, are
 planned when it finishes and done over the engine's next steps. An engine with no
@@ -11,7 +11,8 @@ after its last request finished:
 * vLLM >= 0.32 asks :meth:`ExitFlush.steps_for_writes` through
   ``has_pending_push_work``: the engine core steps while it is true, also in its
   shutdown, before it stops the workers;
-* older vLLM steps an idle engine only for a finished request whose blocks a
+* older vLLM (:meth:`~kvoffload_hal.vllm_strategy.VllmStrategy.holds_last_request`)
+  steps an idle engine only for a finished request whose blocks a
   connector still holds, so the request that finished last is held
   (``request_finished`` answers that its blocks are freed later) while writes
   are pending, and released to the workers, who report it in
@@ -32,8 +33,10 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from kvoffload_hal import vllm_compat
+if TYPE_CHECKING:
+    from kvoffload_hal.vllm_strategy import VllmStrategy
 
 # The engine core's process as vLLM names it ("EngineCore", "EngineCore_DP<n>").
 ENGINE_CORE_PROCESS = "EngineCore"
@@ -49,7 +52,7 @@ class ExitFlush:
 
     def __init__(self, bound_s: float, holds_requests: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``holds_requests``: hold the last finished request (vLLM < 0.32)."""
+        """``holds_requests``: hold the last finished request (see the module docstring)."""
         self.bound_s = bound_s
         self.holds_requests = holds_requests
         self._clock = clock
@@ -58,17 +61,16 @@ class ExitFlush:
         self._release: list[str] = []
 
     @classmethod
-    def for_engine(cls, bound_s: float, secondary_tier: bool) -> ExitFlush:
+    def for_engine(cls, bound_s: float, secondary_tier: bool, vllm: VllmStrategy) -> ExitFlush:
         """``secondary_tier``: a tier that can outlive the server runs behind the CPU tier."""
-        holds = (secondary_tier and not vllm_compat.STEPS_FOR_PUSH_WORK
-                 and engine_core_steps_by_itself())
+        holds = secondary_tier and vllm.holds_last_request() and engine_core_steps_by_itself()
         return cls(bound_s, holds)
 
     def within_bound(self) -> bool:
         return self._clock() - self._idle_since <= self.bound_s
 
     def steps_for_writes(self, pending: bool) -> bool:
-        """vLLM >= 0.32: whether pending writes keep the engine stepping."""
+        """Whether pending writes keep the engine stepping (``has_pending_push_work``)."""
         return pending and self.within_bound()
 
     def on_finished(self, req_id: str, delayed: bool, pending: bool) -> bool:
