@@ -34,7 +34,6 @@ waits on the disk; results are polled like copy jobs.
 from __future__ import annotations
 
 import errno
-import logging
 import mmap
 import os
 import threading
@@ -42,10 +41,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvoffload_hal.hal.plumbing import log_once
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
 from kvoffload_hal.tiers.disk.dirs import DIR_MODE, FILE_MODE, TierDir
+from kvoffload_hal.tiers.disk.failures import FailureLog
 from kvoffload_hal.tiers.disk.peers import PeerDirs, is_block_file, open_block
 from kvoffload_hal.tiers.disk.rebuild import DirScan
 from kvoffload_hal.tiers.identity import FINGERPRINT_BYTES
@@ -53,6 +52,7 @@ from kvoffload_hal.tiers.spec import BlockKey, TierItem
 from kvoffload_hal.tiers.worker_pool import PooledTier
 
 logger = init_logger(__name__)
+FAILURES = FailureLog(logger)
 
 MAGIC = b"KVHALBLK"
 FORMAT_VERSION = 2
@@ -230,9 +230,9 @@ class DiskTier(PooledTier):
 
 
 def _failed(key: BlockKey, doing: str, error: Exception) -> BlockKey:
-    """A key whose IO failed: recomputed by vLLM. Logged once per kind of failure."""
-    log_once(logger, logging.WARNING, "disk tier: %s a block failed with %s; such blocks "
-             "are recomputed", doing, type(error).__name__)
+    """A key whose IO failed: recomputed by vLLM. Logged per kind of failure, at once,
+    then at most once per window with a count (:mod:`~kvoffload_hal.tiers.disk.failures`)."""
+    FAILURES.failed(doing, error)
     logger.debug("disk tier: %s block %s failed: %r", doing, key, error)
     return key
 
