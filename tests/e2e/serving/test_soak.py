@@ -1,0 +1,58 @@
+"""The soak driver's short run: the served connector under concurrent streaming clients
+and random faults for about a minute (``benchmarks/soak.py`` runs it for as long as asked).
+
+What a user sees is checked from outside: every greedy completion of a sampled share
+equals the reference engine's (a server without the connector), token for token; no
+HTTP error, every request ends within its deadline; the server's memory, open fds,
+threads and the files under ``disk_path`` do not grow per request after warm-up beyond
+the bounds in ``benchmarks/soak/checks.py``; each tier's counters balance once idle and
+no CPU-tier block stays pinned; each fault shows in a counter or a log line; SIGTERM
+ends the server with nothing left under ``disk_path``. The connector is measured
+through a subclass that only times its scheduler hooks and reads its tiers
+(``benchmarks/soak/probe_connector.py``).
+
+CI's time is short: the run is on the vLLM 0.32 lane only (the whole suite runs there
+and on 0.23; the tiers and faults do not depend on the vLLM release).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores]
+
+SHORT_LANE = "0.32."
+# The scheduler does not count a local tier's failed blocks yet (disk_failed_blocks
+# stays 0): tests/unit/tiers/test_local_tier_failed_blocks.py, a strict xfail until then.
+KNOWN = {"tier: reserved - written <= failed blocks"}
+
+
+def _lane_skip() -> str | None:
+    import vllm
+
+    if not vllm.__version__.startswith(SHORT_LANE):
+        return (f"the soak's short run is on the vLLM 0.32 lane only (CI time); this is "
+                f"vLLM {vllm.__version__}")
+    return None
+
+
+def test_a_short_soak_under_faults_stays_correct_and_leaks_nothing(tiny_model_dir, tmp_path):
+    reason = _lane_skip()
+    if reason is not None:
+        pytest.skip(reason)
+    from soak.config import SoakConfig
+    from soak.driver import run
+
+    cfg = SoakConfig(minutes=1.0, clients=4, work_dir=tmp_path, warmup_s=15.0,
+                     fault_every_s=(5.0, 9.0), fault_hold_s=4.0, request_deadline_s=90.0,
+                     sample_every_s=1.0, reference_share=0.3, max_reference=40,
+                     faults=("enospc", "damage", "remove", "burst"), fault_rounds=1)
+    result = run(cfg, tiny_model_dir)
+    failed = [c for c in result.checks if not c.ok and c.name not in KNOWN]
+    assert not failed, result.table()
+    assert {f.name for f in result.faults} >= {"damage", "remove", "burst"}, result.table()
