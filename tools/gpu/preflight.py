@@ -1,0 +1,77 @@
+"""Before any engine starts: does the installed bundle fit the machine it landed on?
+
+    PYTHONPATH=SITE python3 tools/gpu/preflight.py SITE
+
+1. every requirement of every distribution installed in ``SITE`` on a distribution
+   the run imports (``needed_dists.txt``) holds against what this Python really
+   finds (the bundle first, then the machine's own packages);
+2. the modules the engine run loads import: vLLM's CUDA platform and kernels, the
+   FlashAttention backend, the GPU model runner, the Llama and Qwen models, vLLM's
+   OffloadingConnector and this project's connector and CUDA backend.
+
+Prints one line per problem; exit status 1 if there is any.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from importlib.metadata import PackageNotFoundError, distributions, version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bundle_deps import canonicalize_name, load_needed, runtime_requires  # noqa: E402
+
+MODULES = (
+    "vllm", "vllm.platforms.cuda", "vllm._C", "vllm.vllm_flash_attn.flash_attn_interface",
+    "vllm.v1.attention.backends.flash_attn", "vllm.v1.worker.gpu_model_runner",
+    "vllm.model_executor.models.llama", "vllm.model_executor.models.qwen3",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    "kvoffload_hal.connector", "kvoffload_hal.backends.cuda",
+)
+
+
+def requirement_problems(site: Path, needed: set[str]) -> list[str]:
+    problems = []
+    for dist in distributions(path=[str(site)]):
+        for req in runtime_requires(dist.requires or []):
+            target = canonicalize_name(req.name)
+            if target not in needed:
+                continue
+            try:
+                have = version(req.name)
+            except PackageNotFoundError:
+                problems.append(f"{dist.metadata['Name']} requires {req}: not installed")
+                continue
+            if not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{dist.metadata['Name']} requires {req}: found {have}")
+    return problems
+
+
+def import_problems(modules: tuple[str, ...] = MODULES) -> list[str]:
+    problems = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # every failure is a finding, whatever its kind
+            problems.append(f"import {name}: {type(e).__name__}: {e}")
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    site = Path(argv[0])
+    problems = requirement_problems(site, set(load_needed()))
+    problems += import_problems()
+    for line in problems:
+        print(f"PROBLEM: {line}")
+    import torch
+
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else None}")
+    print("preflight: " + ("FAIL" if problems else "PASS"))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
