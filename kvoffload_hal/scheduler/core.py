@@ -45,6 +45,7 @@ from kvoffload_hal.scheduler.cascade.staged import StagedHits
 from kvoffload_hal.scheduler.cpu_tier import CpuTier
 from kvoffload_hal.scheduler.load_jobs import LoadJobs
 from kvoffload_hal.scheduler.parts import RequestPart
+from kvoffload_hal.scheduler.room import CpuRoom
 from kvoffload_hal.scheduler.store_jobs import StoreJobs
 from kvoffload_hal.scheduler.store_policy import (
     EagerPolicy,
@@ -82,9 +83,12 @@ class OffloadScheduler:
                            device_copies=config.device_copies)
         self.stats = StatsLedger()
         self.policy = _make_policy(config, kv_cache_config, vllm_config, self.cpu)
+        # Who takes the CPU tier's free blocks first: scheduler/room.py.
+        self.cpu_room = CpuRoom(self.cpu)
         self.cascade = build_cascade(config.tier, self.caps.secondary_tier, kv_cache_config,
-                                     self.cpu, self.world_size, self.stats)
-        self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size)
+                                     self.cpu, self.world_size, self.stats, self.cpu_room)
+        self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size,
+                                self.cpu_room)
         self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads,
                               recovery=self._say_load_recovery())
         self.staged = StagedHits(self.cascade, self.loads, self.cpu, self.stats, block_size,
@@ -218,9 +222,7 @@ class OffloadScheduler:
             self.room.on_preempted(req_id)
         for part in self._parts:
             part.release_unallocated()
-        # Staged hits take the CPU room first: a request waits on them, while stores
-        # not sent now are offered again, and would otherwise take every free block
-        # each step (a small tier behind a lazy store's window never has room left).
+        # The CPU room goes by scheduler/room.py's order, whichever asks first.
         self.staged.advance()
         picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)

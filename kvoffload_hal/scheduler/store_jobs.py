@@ -21,6 +21,7 @@ from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import JobReport, StoreSpec
 from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
 from kvoffload_hal.scheduler.jobs import JobBook
+from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
 from kvoffload_hal.scheduler.store_policy import BlockPicker, StorePolicy
 
 if TYPE_CHECKING:
@@ -47,9 +48,11 @@ class _Store:
 
 class StoreJobs:
     def __init__(self, cpu: CpuTier, cascade: NullCascade, stats: StatsLedger,
-                 world_size: int) -> None:
+                 world_size: int, room: CpuRoom) -> None:
+        """``room``: the scheduler's room broker."""
         self.cpu = cpu
         self.cascade = cascade
+        self.room = room
         self.stats = stats
         self.gpu_pool: BlockPool | None = None
         self._queued: list[_Store] = []
@@ -76,9 +79,9 @@ class StoreJobs:
 
     # ------------------------------------------------------------ picking
     def picker(self) -> BlockPicker:
-        """A picker for one batch, bounded by the CPU tier's free blocks."""
+        """A picker for one batch, bounded by the CPU room stores are granted."""
         held = self._held_here if self.cpu.device_copies.drops else None
-        return BlockPicker(self.cpu.num_free_blocks(), self._storable, held)
+        return BlockPicker(self.room.grant(RoomKind.STORES), self._storable, held)
 
     def _storable(self, block: KVCacheBlock) -> bool:
         h = block.block_hash

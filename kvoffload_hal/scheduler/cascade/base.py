@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvoffload_hal.metadata import JobReport, TierJobs
 from kvoffload_hal.scheduler.parts import RequestPart
+from kvoffload_hal.scheduler.room import RoomKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
+    from kvoffload_hal.scheduler.cascade.reads import TierReads
     from kvoffload_hal.scheduler.cpu_tier import Hit
     from kvoffload_hal.tiers.spec import BlockKey
 
@@ -40,7 +42,7 @@ class NullCascade(RequestPart):
     """
 
     stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)
-    read_wait_s: float | None = None  # how long a read may take before it is given up
+    reads: TierReads | None = None  # every read of the tier's blocks (reads.py)
     names = TierNames()
 
     def may_stage(self) -> bool:
@@ -58,10 +60,14 @@ class NullCascade(RequestPart):
         """Blocks the workers found from before a restart; ranks done looking."""
 
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
-               max_blocks: int | None = None) -> bool:
+               kind: RoomKind = RoomKind.PROMOTIONS, max_blocks: int | None = None) -> bool:
         """After a CPU hit ``hit``: True when the request must ask again later.
+        ``kind``: whose room a promotion takes (a prefetch's, or a lookup's);
         ``max_blocks``: promote at most that many CPU blocks (a prefetch's budget)."""
         return False
+
+    def release_all_kept(self) -> None:
+        """Let go of every block kept for a request's next lookup."""
 
     def held_for(self, req_id: str, promoting_only: bool = False) -> int:
         """CPU blocks promoted (unless ``promoting_only``), or being promoted, for the

@@ -28,12 +28,15 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.scheduler.room import CpuRoom
     from kvoffload_hal.tiers.spec import TierSpec
 
 
 def build_cascade(spec: TierSpec | None, runs: bool, kv_cache_config: KVCacheConfig,
-                  cpu: CpuTier, world_size: int, stats: StatsLedger) -> NullCascade:
-    """The cascade for ``spec`` (None: no tier); ``runs``: the tier serves this model."""
+                  cpu: CpuTier, world_size: int, stats: StatsLedger,
+                  room: CpuRoom) -> NullCascade:
+    """The cascade for ``spec`` (None: no tier); ``runs``: the tier serves this model;
+    ``room``: the scheduler's room broker."""
     ctx = SchedulerTierContext(kv_cache_config, world_size,
                                device_bytes_per_block(kv_cache_config))
     half = scheduler_half(spec, runs, ctx)
@@ -43,6 +46,6 @@ def build_cascade(spec: TierSpec | None, runs: bool, kv_cache_config: KVCacheCon
     if spec.shared_across_instances:
         index = SharedTierIndex(half.capacity_blocks, deletes_evicted=half.deletes_evicted)
         return SharedTierCascade(index, cpu, world_size, stats, half.wait_s, names=names,
-                                 rebuild=half.rebuild)
+                                 rebuild=half.rebuild, room=room)
     return TierCascade(TierIndex(half.capacity_blocks), cpu, world_size, stats,
-                       rebuild=half.rebuild, names=names)
+                       rebuild=half.rebuild, names=names, room=room)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import RequestStatus
 
 from kvoffload_hal.scheduler.parts import RequestPart
+from kvoffload_hal.scheduler.room import RoomKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -147,7 +148,8 @@ class Prefetcher(NullPrefetcher):
             return 0  # looked at again once prefetched requests release blocks
         free_before = self.cpu.num_free_blocks()
         queued = self.cascade.lookup(request, hit, hit_tokens // self.block_size,
-                                     max_hit_tokens // self.block_size, max_blocks=room)
+                                     max_hit_tokens // self.block_size, RoomKind.PREFETCH,
+                                     max_blocks=room)
         # A promotion takes fresh CPU blocks; a lookup changes the free count otherwise
         # only when none were free (it then waits for room, holding nothing new).
         promoted = free_before - self.cpu.num_free_blocks()

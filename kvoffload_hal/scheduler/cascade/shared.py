@@ -48,6 +48,7 @@ from kvoffload_hal.scheduler.cascade.index import TierIndex, _Entry
 from kvoffload_hal.scheduler.cascade.spill import JobKind
 from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade, TierStep
 from kvoffload_hal.scheduler.jobs import RankTally
+from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
@@ -104,14 +105,15 @@ class SharedTierCascade(TierCascade):
     def __init__(self, index: SharedTierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 names: TierNames = TierNames(), rebuild: bool = False) -> None:
+                 names: TierNames = TierNames(), rebuild: bool = False,
+                 room: CpuRoom | None = None) -> None:
         """``rebuild``: the workers report blocks kept from before a restart."""
-        super().__init__(index, cpu, world_size, stats, rebuild=rebuild, names=names)
+        super().__init__(index, cpu, world_size, stats, rebuild=rebuild, clock=clock,
+                         names=names, room=room)
         self.timeout_s = timeout_s
-        self.read_wait_s = timeout_s  # staged hits' reads too
+        self.reads.read_wait_s = timeout_s  # every read's part: promotions, staged, checks
         self._clock = clock
         self._probes: dict[str, _Probe] = {}
-        self._promote_started: dict[str, float] = {}
         self._waiting_since: dict[str, float] = {}  # on another request's promotion
         self._sent_at: dict[int, float] = {}  # jobs in flight not yet found overdue
         self.breaker = CircuitBreaker(names.label, timeout_s, self._on_breaker,
@@ -128,14 +130,19 @@ class SharedTierCascade(TierCascade):
             self.stats.record_breaker(self.names.name, closed=1)
 
     def _skip(self, req_id: str) -> bool:
-        """The breaker is open: a miss at once, and stop waiting for what was sent."""
-        self._probes.pop(req_id, None)
-        job = self._promoting.pop(req_id, None)
-        if job is not None:
-            job.req_id = None  # completes (and is published) without the request
+        """The breaker is open: a miss at once, and stop waiting for what was sent. A
+        request that was waiting for the store when the breaker opened (a job found
+        overdue first) stopped waiting for it: a timeout, as if its own lookup had
+        found it overdue; the others are skipped."""
+        probe = self._probes.pop(req_id, None)
+        waited = (probe is not None and not probe.answered) or req_id in self._promoting
+        self._stop_promoting(req_id)
         self.release_promoted(req_id)
         self._no_promotion.add(req_id)
-        self.stats.record_breaker(self.names.name, skipped=1)
+        if waited:
+            self.stats.record_tier(self.names.name, timeouts=1)
+        else:
+            self.stats.record_breaker(self.names.name, skipped=1)
         return False
 
     def _note_overdue(self) -> None:
@@ -166,26 +173,27 @@ class SharedTierCascade(TierCascade):
         return self.breaker.state is BreakerState.CLOSED
 
     # ----------------------------------------------------------- lookups
-    def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int) -> bool:
+    def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int,
+                 kind: RoomKind, max_blocks: int | None) -> bool:
         req_id = request.request_id
         if req_id in self._no_promotion:
             return False
         if not self.breaker.allow(req_id):
             return self._skip(req_id)
-        waits = self._promote_or_wait(request, hit, first_block, end_block)
+        waits = self._promote_or_wait(request, hit, first_block, end_block, kind, max_blocks)
         if not waits:
             self.breaker.cancel(req_id)  # sent nothing: another request probes
         return waits
 
     def _promote_or_wait(self, request: Request, hit: Hit, first_block: int,
-                         end_block: int) -> bool:
+                         end_block: int, kind: RoomKind, max_blocks: int | None) -> bool:
         req_id = request.request_id
         now = self._clock()
-        if req_id in self._promoting:
-            if now - self._promote_started.get(req_id, now) <= self.timeout_s:
+        read = self._promoting.get(req_id)
+        if read is not None:
+            if not self.reads.overdue(read):
                 return True
-            job = self._promoting.pop(req_id)
-            job.req_id = None  # completes (and is published) without the request
+            self._stop_promoting(req_id)  # completes (and is published) without it
             return self._give_up(req_id)
         if req_id in self._no_promotion:
             return False
@@ -199,11 +207,10 @@ class SharedTierCascade(TierCascade):
         if probe is None and keys and not self.index.ready_run(keys):
             self._probes[req_id] = _Probe(req_id, keys, now)
             return True  # ask the store (once per request); the request asks again later
-        if super()._promote(request, hit, first_block, end_block):
-            if req_id in self._promoting:
-                self._promote_started[req_id] = now
-            elif now - self._waiting_since.setdefault(req_id, now) > self.timeout_s:
-                return self._give_up(req_id)  # another request's promotion, too slow
+        if super()._promote(request, hit, first_block, end_block, kind, max_blocks):
+            if (req_id not in self._promoting
+                    and now - self._waiting_since.setdefault(req_id, now) > self.timeout_s):
+                return self._give_up(req_id)  # another request's read, too slow
             return True
         self._no_promotion.add(req_id)  # the store holds nothing more for it
         return False
@@ -217,7 +224,6 @@ class SharedTierCascade(TierCascade):
 
     def request_finished(self, req_id: str) -> bool:
         self._probes.pop(req_id, None)
-        self._promote_started.pop(req_id, None)
         self._waiting_since.pop(req_id, None)
         return super().request_finished(req_id)
 

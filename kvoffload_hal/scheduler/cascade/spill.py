@@ -44,11 +44,11 @@ class TierJob:
     keys: list[BlockKey]
     blocks: list[KVCacheBlock]
     hashes: list[Any]
-    req_id: str | None = None
     failed: set[BlockKey] = field(default_factory=set)
-    abandoned: bool = False
-    # A staged hit's round (scheduler/cascade/staged.py): takes the blocks and how many read.
-    on_done: Callable[[list[KVCacheBlock], int], None] | None = None
+    abandoned: bool = False  # a reset came while it was out: nothing it read is published
+    cancelled: bool = False  # a reset took it back before it was sent
+    # A promotion's part: told, once every rank reported it, how many keys read (reads.py).
+    on_done: Callable[[TierJob, int], None] | None = None
 
 
 @dataclass

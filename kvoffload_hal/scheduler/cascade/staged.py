@@ -26,8 +26,9 @@ blocks waits for the staged one and then takes the device prefix-cache hit. Slot
 position by position, so a block that fails to read or to copy ends the hit there:
 nothing after it is promoted or loaded, and the rest is reported failed (per block with
 one group, and vLLM recomputes from it; per request with several, and vLLM recomputes
-the request); so is the rest of a hit that found no free CPU block for
-:data:`MAX_STAGE_WAIT_S`. The request is then offered no hit again.
+the request); so is the rest of a hit whose read meets its deadline (no CPU room for
+:data:`~.reads.MAX_ROOM_WAIT_S`, a part past the tier's wait). The request is then
+offered no hit again.
 
 Staging serves any model on any tier. Where vLLM cannot be told that a load of several
 groups failed (vLLM < 0.32, ``LoadRecovery.RETRY``), a check reads the hit's tier blocks
@@ -44,19 +45,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.utils.math_utils import cdiv
 
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.metadata import LoadSpec
-from kvoffload_hal.scheduler.cascade.staged_check import (
-    StagedChecks,
-    starved_for_long,
-)
+from kvoffload_hal.scheduler.cascade.staged_check import StagedChecks
 from kvoffload_hal.scheduler.cascade.staged_plan import NotStaged, Round, Slot, Staged, plan_hit
 from kvoffload_hal.scheduler.load_jobs import RoundJob
 from kvoffload_hal.scheduler.parts import RequestPart
+from kvoffload_hal.scheduler.room import RoomKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -65,6 +64,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cascade.reads import Entry, TierRead
     from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.scheduler.load_jobs import LoadJobs
@@ -88,12 +88,12 @@ class StagedHits(RequestPart):
         self.stats = stats
         self.block_size = block_size
         self.enabled = cascade.stages
-        self.checks = StagedChecks(cascade, cpu, check_first, clock)
+        self.reads = cascade.reads
+        self.checks = StagedChecks(cascade, cpu, check_first)
         self._clock = clock
         self._pending: dict[str, Staged] = {}  # offered, not allocated yet
         self._active: dict[str, Staged] = {}
         self._queued: list[Round] = []
-        self._owners: dict[str, str] = {}  # tier key -> the request staging it
         self._landed: list[Staged] = []  # over: its keys stay owned until the next step
 
     # ------------------------------------------------------------- lookup
@@ -111,13 +111,12 @@ class StagedHits(RequestPart):
         run = request.block_hashes[(num_computed_tokens + hit_tokens) // bs:
                                    (num_computed_tokens + max_hit_tokens) // bs]
         # (A hit on busy CPU blocks waited already: LoadJobs.wait_for_shared_load.)
-        if (self._owners or self.checks.owns_keys) and any(  # (most: nothing is owned)
-                k in self._owners or self.checks.owned_by_another(k, req_id)
-                for k in self.cascade.groups.keys(run)):
+        if self.reads.owners and any(  # (most: nothing is owned)
+                self.reads.owned_by_another(k, req_id) for k in self.cascade.groups.keys(run)):
             self.loads.note_wait(req_id)
             return None
         staged = plan_hit(self.cascade, self.cpu, req_id, hit, request.block_hashes,
-                          num_computed_tokens // bs, run, max_hit_tokens, self._clock())
+                          num_computed_tokens // bs, run, max_hit_tokens)
         if staged is NotStaged.WAIT:
             return None
         if staged is NotStaged.FITS:
@@ -128,8 +127,8 @@ class StagedHits(RequestPart):
         staged.num_computed_tokens = num_computed_tokens
         self.cpu.pin([b for _, b in staged.cpu])
         self.loads.hold_busy(b.block_id for _, b in staged.cpu)
-        self.cascade.index.pin(staged.keys)
-        self._owners.update((key, staged.req_id) for key in staged.keys)
+        staged.read = self.reads.start(req_id, [(key, h) for _, key, h in staged.tier],
+                                       self._promoted, RoomKind.STAGED, "a staged hit")
         self._pending[req_id] = staged
         self.cascade.release_promoted(req_id)  # a prefetch's blocks: pinned above
         return staged.num_tokens
@@ -142,16 +141,14 @@ class StagedHits(RequestPart):
         staged = self._pending.pop(req_id, None)
         if staged is not None:
             self._drop(staged, lambda slot: False)
+            self.reads.end(staged.read)
 
     def _drop(self, staged: Staged, keep: Callable[[Slot], bool]) -> None:
         """Stop holding the slots not kept (before any round was sent)."""
         cpu_blocks = [b for slot, b in staged.cpu if not keep(slot)]
         self.cpu.unpin(cpu_blocks)
         self.loads.release_busy(b.block_id for b in cpu_blocks)
-        keys = [key for slot, key, _ in staged.tier if not keep(slot)]
-        self.cascade.index.unpin(keys)
-        for key in keys:
-            self._owners.pop(key, None)
+        self.reads.keep_only(staged.read, lambda i: keep(staged.tier[i][0]))
         staged.cpu = [x for x in staged.cpu if keep(x[0])]
         staged.tier = [x for x in staged.tier if keep(x[0])]
 
@@ -172,40 +169,52 @@ class StagedHits(RequestPart):
         # A null device block is one vLLM never reads (outside a window): not filled.
         self._drop(staged, lambda s: s[0] < n and not device[s[1]][first + s[0]].is_null)
         if n == 0:
+            self.reads.end(staged.read)
             return True
         ids = blocks.get_block_ids()
         staged.gpu_ids = {(pos, g): ids[g][first + pos] for pos, g in staged.slots()}
         self.loads.pin_device(staged.gpu_ids.values())  # ours until the last round landed
         staged.ready = [(b, staged.gpu_ids[slot]) for slot, b in staged.cpu]
         staged.num_tokens = min(staged.num_tokens, num_external_tokens)
-        staged.since = self._clock()
+        staged.read.since = self._clock()
         self._active[req_id] = staged
         return True
 
     # ------------------------------------------------------------ per step
     def advance(self) -> None:
         """Send what each staged hit can do this step: a round of its blocks in the
-        CPU tier, the next promotion, or the last round."""
+        CPU tier, the next part of its read, or the last round. Hits and checks that
+        found no room claim it (``RoomKind.STAGED``): later kinds wait for them."""
         for staged in self._landed:
-            for key in staged.keys:
-                self._owners.pop(key, None)
+            self.reads.end(staged.read)
         self._landed.clear()
-        starving = False
+        need = 0
         for staged in list(self._active.values()):
-            if staged.final_sent:
-                continue
-            staged.give_up_if_overdue(self._clock(), self.cascade.read_wait_s)
-            if staged.ready and not (staged.stops() and not staged.promoting):
-                self._queued.append(staged.take_round())
-            if not staged.stops() and not staged.promoting:
-                starving |= not self._promote_next(staged)
-            if staged.stops() and not staged.promoting and not staged.rounds:
-                final = staged.take_final()
-                self.checks.refuse_failure(staged, final)
-                self._queued.append(final)
-        starving |= self.checks.advance()
+            if not staged.final_sent:
+                need += self._advance(staged)
+        need += self.checks.advance()
         if self.enabled:
-            self.cascade.suspend_promotions(starving)
+            if need and not self.cascade.room.claimed(RoomKind.STAGED):
+                self.cascade.release_all_kept()
+            self.cascade.room.claim(RoomKind.STAGED, need)
+
+    def _advance(self, staged: Staged) -> int:
+        """One hit's step; the blocks it wanted and was not granted."""
+        read, need = staged.read, 0
+        if staged.reading():
+            self.reads.advance(read)  # its deadline
+            staged.note_stop()
+        if staged.ready and not (staged.stops() and not staged.reading()):
+            self._queued.append(staged.take_round())
+        if not staged.stops() and not staged.reading():
+            if not self.reads.advance(read):
+                need = read.left()
+            staged.note_stop()
+        if staged.stops() and not staged.reading() and not staged.rounds:
+            final = staged.take_final()
+            self.checks.refuse_failure(staged, final)
+            self._queued.append(final)
+        return need
 
     def release_unallocated(self) -> None:
         """Hits offered this step whose request vLLM could not allocate (it looks the
@@ -213,35 +222,18 @@ class StagedHits(RequestPart):
         for req_id in list(self._pending):
             self.release_pending(req_id)
 
-    def _promote_next(self, staged: Staged) -> bool:
-        """Queue the next promotion of the run; False when no CPU block is free."""
-        n = min(self.cascade.room(), len(staged.tier) - staged.next)
-        now = self._clock()
-        if n <= 0:
-            if starved_for_long(staged.since, now, self.cascade.names.label, "a staged hit"):
-                staged.fail_rest()
-            return False
-        part = staged.tier[staged.next:staged.next + n]
-        staged.next += n
-        staged.promoting = part
-        staged.since = now
-        self.cascade.queue_promotion([k for _, k, _ in part], [h for _, _, h in part], None,
-                                     lambda blocks, n_ok: self._promoted(staged, part, blocks,
-                                                                         n_ok))
-        return True
-
-    def _promoted(self, staged: Staged, part: list[tuple[int, str, Any]],
-                  blocks: list[KVCacheBlock], n_ok: int) -> None:
-        """Every rank read a promotion: the blocks that read join the next round."""
-        if staged.promoting is not part:  # given up (overdue), or the hit is over
+    def _promoted(self, read: TierRead, part: list[Entry], blocks: list[KVCacheBlock],
+                  n_ok: int) -> None:
+        """Every rank read a part: the blocks that read join the next round."""
+        staged = self._active.get(read.reader)
+        if staged is None or staged.read is not read:
             self.cpu.unpin(blocks)
             return
-        staged.promoting = None
-        staged.since = self._clock()
         self.cpu.unpin(blocks[n_ok:])
-        if n_ok < len(part):
-            staged.fail_from(part[n_ok][0][0])
-        ok = list(zip(blocks[:n_ok], (staged.gpu_ids[slot] for slot, _, _ in part)))
+        staged.note_stop()
+        start = read.next - len(part)
+        ok = list(zip(blocks[:n_ok], (staged.gpu_ids[slot]
+                                      for slot, _, _ in staged.tier[start:start + n_ok])))
         self.loads.hold_busy(b.block_id for b, _ in ok)
         staged.ready += ok
 
@@ -291,7 +283,6 @@ class StagedHits(RequestPart):
                                or bool(invalid.intersection(staged.final_gpu_ids)))
             self._release(staged.final_blocks, not torn)
             self.loads.unpin_device(staged.gpu_ids.values())
-            self.cascade.index.unpin(staged.keys)
             self._landed.append(staged)  # its keys stay owned until the next step
 
     # ----------------------------------------------------------- finishing

@@ -10,7 +10,7 @@ a promotion's is; the lookup asks again later meanwhile.
 * A block that fails to read is dropped from the tier's index (as any failed
   promotion's), so the hit the next lookup plans ends before it: the same "a failed or
   corrupted block ends the hit there" as on later vLLM, decided before vLLM allocates.
-* A check that cannot go on (no free CPU block for ``MAX_STAGE_WAIT_S``, or a read past
+* A check that cannot go on (no CPU room for the reads' one deadline, or a read past
   the tier's wait) ends the hit where it stopped: the lookup offers what was read.
 * The blocks read stay in the CPU tier as ordinary content: the last parts are often
   still there when the hit is served, and are not read again.
@@ -23,68 +23,47 @@ stops with an error before any block of the hit is read (``StagedHits``, the wor
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvoffload_hal.capabilities import LoadFailedError
-from kvoffload_hal.hal.plumbing import log_once
-from kvoffload_hal.logger import init_logger
+from kvoffload_hal.scheduler.room import RoomKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+    from kvoffload_hal.scheduler.cascade.reads import Entry, TierRead
     from kvoffload_hal.scheduler.cascade.staged_plan import Round, Staged
     from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
     from kvoffload_hal.tiers.spec import BlockKey
 
-# The longest a staged hit, or its check, waits for a free CPU block before the rest of
-# the hit is recomputed.
-MAX_STAGE_WAIT_S = 10.0
-
-logger = init_logger(__name__)
-
-
-def starved_for_long(since: float, now: float, label: str, what: str) -> bool:
-    """Whether ``what`` found no free CPU block for ``MAX_STAGE_WAIT_S`` (said once)."""
-    if now - since <= MAX_STAGE_WAIT_S:
-        return False
-    log_once(logger, logging.WARNING, "%s: %s found no free CPU block for %.0f s; the "
-             "rest of its prompt is recomputed", label, what, MAX_STAGE_WAIT_S)
-    return True
-
 
 @dataclass
 class _Check:
-    """One request's check: the tier blocks it reads, position by position."""
+    """One request's check: a read of the hit's tier blocks, position by position."""
 
-    keys: list[BlockKey]
-    hashes: list[Any]
-    positions: list[int]  # of each key in the request (its block index)
-    since: float  # the last progress
-    next: int = 0
-    reading: list[BlockKey] | None = None  # the part being read
-    read: set[BlockKey] = field(default_factory=set)
+    read: TierRead
+    positions: list[int]  # of each entry in the request (its block index)
+    done: set[BlockKey] = field(default_factory=set)  # keys read
     cut: int | None = None  # the first block index the hit may not reach
-    stopped: bool = False  # before its end
 
-    def over(self) -> bool:
-        return self.reading is None and (self.stopped or self.next >= len(self.keys))
+    def note_stop(self) -> None:
+        at = self.read.stopped_at
+        if at is not None:
+            position = self.positions[at]
+            self.cut = position if self.cut is None else min(self.cut, position)
 
 
 class StagedChecks:
     """The checks of one scheduler's staged hits (see the module's docstring)."""
 
-    def __init__(self, cascade: TierCascade, cpu: CpuTier, enabled: bool,
-                 clock: Callable[[], float]) -> None:
+    def __init__(self, cascade: TierCascade, cpu: CpuTier, enabled: bool) -> None:
         self.cascade = cascade
+        self.reads = cascade.reads
         self.cpu = cpu
         self.enabled = enabled
-        self._clock = clock
         self._checks: dict[str, _Check] = {}
-        self._owners: dict[BlockKey, str] = {}  # a key being checked -> its request
 
     def limit(self, req_id: str, num_computed_tokens: int, max_tokens: int,
               block_size: int) -> int:
@@ -107,16 +86,6 @@ class StagedChecks:
                 "groups, no KVConnectorOutput.failed_recving); stopping before its blocks "
                 "are read. vLLM >= 0.32 recomputes instead")
 
-    @property
-    def owns_keys(self) -> bool:
-        """Whether any check reads tier keys now."""
-        return bool(self._owners)
-
-    def owned_by_another(self, key: BlockKey, req_id: str) -> bool:
-        """Whether another request's check reads ``key`` (this one waits for it, then
-        takes what that one's hit left on the device)."""
-        return self._owners.get(key, req_id) != req_id
-
     def still_reading(self, staged: Staged, first: int) -> bool:
         """True while a check reads the tier blocks of ``staged``, whose position 0 is
         the request's block ``first`` (the lookup asks again later); False once every
@@ -124,83 +93,52 @@ class StagedChecks:
         if not self.enabled:
             return False
         check = self._checks.get(staged.req_id)
-        if check is not None and not check.over():
+        if check is not None and not check.read.over():
             return True
         unread = [(slot, key, h) for slot, key, h in staged.tier
-                  if check is None or key not in check.read]
+                  if check is None or key not in check.done]
         if not unread:
             self.forget(staged.req_id)
             return False
-        new = _Check([k for _, k, _ in unread], [h for _, _, h in unread],
-                     [first + slot[0] for slot, _, _ in unread], self._clock())
+        read = self.reads.start(staged.req_id, [(key, h) for _, key, h in unread],
+                                self._read, RoomKind.STAGED, "checking a staged hit")
+        new = _Check(read, [first + slot[0] for slot, _, _ in unread])
         if check is not None:  # what the last check read and where it stopped stay
-            new.read, new.cut = check.read, check.cut
+            new.done, new.cut = check.done, check.cut
             self.forget(staged.req_id)
-        self.cascade.index.pin(new.keys)
-        self._owners.update((key, staged.req_id) for key in new.keys)
         self._checks[staged.req_id] = new
         return True
 
-    def advance(self) -> bool:
-        """Read the next part of every check; True when one found no free CPU block."""
-        starving = False
-        now = self._clock()
+    def advance(self) -> int:
+        """Read the next part of every check; the blocks they wanted and were not
+        granted."""
+        need = 0
         for check in self._checks.values():
-            if check.reading is not None:
-                wait_s = self.cascade.read_wait_s
-                if wait_s is not None and now - check.since > wait_s:
-                    self._stop(check, check.next - len(check.reading))  # read late
-                continue
-            if check.over():
-                continue
-            n = min(self.cascade.room(), len(check.keys) - check.next)
-            if n <= 0:
-                starving = True
-                if starved_for_long(check.since, now, self.cascade.names.label,
-                                    "checking a staged hit"):
-                    self._stop(check, check.next)
-                continue
-            part = check.keys[check.next:check.next + n]
-            hashes = check.hashes[check.next:check.next + n]
-            check.next += n
-            check.reading = part
-            check.since = now
-            self.cascade.queue_promotion(
-                part, hashes, None, lambda blocks, n_ok, c=check, p=part: self._read(
-                    c, p, blocks, n_ok))
-        return starving
+            read = check.read
+            if not read.over() and not self.reads.advance(read):
+                need += read.left()
+            check.note_stop()
+        return need
 
-    def _read(self, check: _Check, part: list[BlockKey], blocks: list[KVCacheBlock],
+    def _read(self, read: TierRead, part: list[Entry], blocks: list[KVCacheBlock],
               n_ok: int) -> None:
         """Every rank read a part: the blocks that read stay as ordinary CPU content."""
         self.cpu.unpin(blocks)
-        if check.reading is not part:  # given up (late), or the request is gone
+        check = self._checks.get(read.reader)
+        if check is None or check.read is not read:
             return
-        check.reading = None
-        check.since = self._clock()
-        check.read.update(part[:n_ok])
-        if n_ok < len(part):
-            self._stop(check, check.next - len(part) + n_ok)
-
-    def _stop(self, check: _Check, index: int) -> None:
-        """The check goes no further than its key ``index``: the hit ends before it."""
-        position = check.positions[index]
-        check.cut = position if check.cut is None else min(check.cut, position)
-        check.reading = None
-        check.stopped = True
+        check.done.update(key for key, _ in part[:n_ok])
+        check.note_stop()
 
     def forget(self, req_id: str) -> None:
         """The request's check is over: the hit was offered, or is not staged."""
         check = self._checks.pop(req_id, None)
         if check is not None:
-            self.cascade.index.unpin(check.keys)
-            for key in check.keys:
-                if self._owners.get(key) == req_id:
-                    del self._owners[key]
+            self.reads.end(check.read)
 
     def reset(self) -> None:
         for req_id in list(self._checks):
             self.forget(req_id)
 
     def has_pending(self) -> bool:
-        return any(not check.over() for check in self._checks.values())
+        return any(not check.read.over() for check in self._checks.values())

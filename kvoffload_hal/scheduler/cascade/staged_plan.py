@@ -10,6 +10,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvoffload_hal.metadata import LoadSpec
+from kvoffload_hal.scheduler.room import RoomKind
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+    from kvoffload_hal.scheduler.cascade.reads import TierRead
     from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
 
@@ -42,14 +44,12 @@ class Staged:
     tier: list[tuple[Slot, BlockKey, Any]]  # slots the tier brings: (slot, key, hash)
     num_tokens: int  # offered
     num_computed_tokens: int
-    since: float  # the last progress
+    read: TierRead | None = None  # of ``tier``'s entries, in order (reads.py)
     gpu_ids: dict[Slot, int] = field(default_factory=dict)  # once allocated
     ready: list[tuple[KVCacheBlock, int]] = field(default_factory=list)  # (CPU, device)
     loaded: list[int] = field(default_factory=list)  # device blocks of rounds sent
     final_blocks: list[KVCacheBlock] = field(default_factory=list)  # with the last round
     final_gpu_ids: list[int] = field(default_factory=list)
-    next: int = 0  # the next entry of ``tier`` to promote
-    promoting: list[tuple[Slot, BlockKey, Any]] | None = None  # the part being promoted
     rounds: int = 0  # rounds sent and not reported
     failed_at: int | None = None  # the first position not served
     final_sent: bool = False
@@ -63,24 +63,25 @@ class Staged:
         return [slot for slot, _ in self.cpu] + [slot for slot, _, _ in self.tier]
 
     def stops(self) -> bool:
-        """No more promotions: all sent, a failure, or the request is gone."""
-        return self.failed_at is not None or self.aborted or self.next >= len(self.tier)
+        """No more reads: all queued, a failure, or the request is gone."""
+        return self.failed_at is not None or self.aborted or self.read.left() == 0
+
+    def reading(self) -> bool:
+        return self.read.part is not None
 
     def fail_from(self, position: int) -> None:
         self.failed_at = position if self.failed_at is None else min(self.failed_at, position)
 
     def fail_rest(self) -> None:
-        """Stop before the next slot to promote."""
-        self.fail_from(self.tier[self.next][0][0])
+        """Read nothing more: the hit ends before the next slot to read."""
+        self.read.stop(self.read.next)
+        self.note_stop()
 
-    def give_up_if_overdue(self, now: float, wait_s: float | None) -> None:
-        """A tier shared across instances answers within its wait, or the hit stops at
-        the part being read (the rest is recomputed; the breaker hears of the overdue
-        job from the cascade). The late read's blocks are let go when it ends."""
-        if self.promoting is None or wait_s is None or now - self.since <= wait_s:
-            return
-        self.fail_from(self.promoting[0][0][0])
-        self.promoting = None
+    def note_stop(self) -> None:
+        """Where the read stopped (a failed key, its deadline), the hit ends."""
+        at = self.read.stopped_at
+        if at is not None and at < len(self.tier):
+            self.fail_from(self.tier[at][0][0])
 
     def take_round(self) -> Round:
         """A round of the blocks ready in the CPU tier."""
@@ -109,8 +110,8 @@ class NotStaged(Enum):
 
 
 def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
-             block_hashes: Sequence[Any], first: int, run: Sequence[Any], max_tokens: int,
-             now: float) -> Staged | NotStaged:
+             block_hashes: Sequence[Any], first: int, run: Sequence[Any],
+             max_tokens: int) -> Staged | NotStaged:
     """The hit over the CPU tier and the tier together from block ``first`` on, when
     the tier's part of it is more than a promotion has room for; else why not.
 
@@ -121,13 +122,15 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
         return NotStaged.FITS  # its promotion (a prefetch) is in flight: the cascade waits
     groups, index = cascade.groups, cascade.index
     run = run[:groups.run(run, index.is_ready, cpu.holds)]
-    if any(cascade.is_promoting(key) for key in groups.keys(run)):
+    if cascade.reads.owners and any(cascade.reads.owned_by_another(key, req_id)
+                                    for key in groups.keys(run)):
         return NotStaged.WAIT
     wanted = groups.plan(run, index.is_ready, cpu.holds, len(run) * len(groups.groups))
     # The room a promotion has once the CPU blocks of the hit and run are pinned.
     held = {b.block_id: b for b in [*(b for g in hit for b in g if not b.is_null),
                                     *cpu.cached(h for bh in run for _, h in groups.at(bh))]}
-    if len(wanted) <= cascade.room() - sum(1 for b in held.values() if b.ref_cnt == 0):
+    room = cascade.room.grant(RoomKind.STAGED)
+    if len(wanted) <= room - sum(1 for b in held.values() if b.ref_cnt == 0):
         return NotStaged.FITS
 
     def in_tier(block_hash: Any) -> TierBlock | None:
@@ -135,7 +138,7 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
         return TierBlock(key, block_hash) if index.is_ready(key) else None
 
     blocks, num_tokens = cpu.find_hit_with(block_hashes, first, max_tokens, in_tier)
-    staged = Staged(req_id, [], [], num_tokens, 0, now)
+    staged = Staged(req_id, [], [], num_tokens, 0)
     for g, group_blocks in enumerate(blocks):
         for pos, b in enumerate(group_blocks):
             if isinstance(b, TierBlock):

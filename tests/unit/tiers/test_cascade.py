@@ -140,7 +140,7 @@ def test_a_spill_of_the_requests_own_hit_frees_no_room_for_it(cascade):
 
 def test_a_request_waits_for_room_at_most_a_bounded_time(make_engine):
     """Copies that never end (a stuck disk) cannot keep a request waiting forever."""
-    from kvoffload_hal.scheduler.cascade.tier_cascade import MAX_ROOM_WAIT_S
+    from kvoffload_hal.scheduler.cascade.reads import MAX_ROOM_WAIT_S
 
     engine = make_engine(cpu_blocks=8)
     cpu, now = engine.offload.cpu, [0.0]

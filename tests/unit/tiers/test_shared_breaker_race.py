@@ -2,14 +2,10 @@
 ends it: the request's own lookup, or the in-flight job found overdue at a step's
 take_jobs (a loaded host's slow step lets the job's check come first)."""
 
-import pytest
-
 from kvoffload_hal.scheduler.cascade.breaker import BreakerState
 from support.shared_tier import TIMEOUT_S, shared_rig, waiting_request
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler/cascade/shared.py: a request skipped "
-                   "after its job was found overdue is counted as a skip, not a timeout")
 def test_a_wait_ended_by_the_overdue_job_counts_one_timeout(make_engine):
     engine, _, tiers, clock = shared_rig(make_engine, cpu_blocks=16)
     req = waiting_request(engine, 3, seed=0)

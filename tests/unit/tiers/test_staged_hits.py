@@ -221,11 +221,11 @@ def test_a_failed_load_of_a_promoted_hit_is_not_promoted_again(make_engine, tmp_
 
 
 def test_a_staged_hit_without_room_gives_up_and_recomputes(make_engine, tmp_path, monkeypatch):
-    """Disk writes that never end hold every CPU block: after MAX_STAGE_WAIT_S the rest
+    """Disk writes that never end hold every CPU block: after MAX_ROOM_WAIT_S the rest
     of the hit is reported failed and recomputed, with nothing stranded."""
-    from kvoffload_hal.scheduler.cascade import staged_check
+    from kvoffload_hal.scheduler.cascade import reads
 
-    monkeypatch.setattr(staged_check, "MAX_STAGE_WAIT_S", 0.3)
+    monkeypatch.setattr(reads, "MAX_ROOM_WAIT_S", 0.3)
     engine = make_engine(cpu_blocks=4, num_gpu_blocks=16, extra_config={
         "disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 256 * PAGE})
     doc = _doc(1)[:6 * BS + 1]

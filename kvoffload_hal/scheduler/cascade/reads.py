@@ -1,0 +1,217 @@
+"""One read of a secondary tier's blocks into CPU blocks, for every caller.
+
+Runs in the scheduler process. A :class:`TierRead` is a list of entries (tier key, block
+hash) read for one *reader* (a request) into fresh CPU blocks, part by part, each part as
+large as the room broker grants the read's kind (:mod:`kvoffload_hal.scheduler.room`),
+and handed to the read's *sink* once every rank read it. The sink says what the blocks
+are for: a promotion keeps them for the request's next lookup (:mod:`.tier_cascade`), a
+staged hit loads them in a round (:mod:`.staged`), a check lets them go (:mod:`.checks`).
+docs/design.md, "One read, one room", states the rule; in short:
+
+* from its start to its end a read *owns* its keys: pinned in the tier's index, and
+  entered in the one owner map, so another request meeting them waits for this read;
+* a key that failed on any rank leaves the index here, for every caller; the blocks
+  before it are published in the CPU tier, and the read ends there;
+* one deadline: no room granted for :data:`MAX_ROOM_WAIT_S`, or a part in flight past
+  the tier's read wait, stops the read where it is; a late part's blocks are let go
+  when its job ends, never before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_hal.hal.plumbing import log_once
+from kvoffload_hal.logger import init_logger
+from kvoffload_hal.scheduler.cascade.spill import JobKind, TierJob
+from kvoffload_hal.scheduler.room import RoomKind
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cascade.base import TierNames
+    from kvoffload_hal.scheduler.cascade.index import TierIndex
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.scheduler.room import CpuRoom
+    from kvoffload_hal.tiers.spec import BlockKey
+
+# The longest a read, or a request waiting to start one, goes without CPU room before
+# the rest of its blocks is recomputed.
+MAX_ROOM_WAIT_S = 10.0
+
+logger = init_logger(__name__)
+
+Entry = tuple["BlockKey", Any]  # (tier key, block hash with group id)
+# sink(read, part, blocks, n_ok): a part was read; ``blocks`` (pinned) are the sink's now.
+Sink = Callable[["TierRead", list[Entry], list["KVCacheBlock"], int], None]
+
+
+def starved(since: float, now: float, label: str, what: str) -> bool:
+    """Whether ``what`` went without CPU room for :data:`MAX_ROOM_WAIT_S` (said once)."""
+    if now - since <= MAX_ROOM_WAIT_S:
+        return False
+    log_once(logger, logging.WARNING, "%s: %s found no free CPU block for %.0f s; the "
+             "rest of its prompt is recomputed", label, what, MAX_ROOM_WAIT_S)
+    return True
+
+
+@dataclass(eq=False)
+class TierRead:
+    """One reader's entries, read in order, part by part (see the module docstring)."""
+
+    reader: str
+    entries: list[Entry]
+    sink: Sink
+    kind: RoomKind
+    since: float  # the last progress
+    what: str = "a read"  # how a log line names it
+    next: int = 0  # the next entry to queue
+    part: list[Entry] | None = None  # the part being read
+    stopped_at: int | None = None  # the first entry not read: a failure or the deadline
+    ended: bool = False
+    cancelled: bool = False  # a reset took its queued part back unread
+    in_flight: list[list[Entry]] = field(default_factory=list)  # parts whose job is out
+
+    @property
+    def keys(self) -> list[BlockKey]:
+        return [key for key, _ in self.entries]
+
+    def left(self) -> int:
+        """Entries still to queue."""
+        return 0 if self.stopped_at is not None else len(self.entries) - self.next
+
+    def over(self) -> bool:
+        """Nothing in flight and nothing more to queue."""
+        return self.part is None and self.left() == 0
+
+    def stop(self, index: int) -> None:
+        """Read nothing from entry ``index`` on."""
+        self.stopped_at = index if self.stopped_at is None else min(self.stopped_at, index)
+        self.part = None
+
+
+class TierReads:
+    """Every read of one tier, its owner map and its deadline."""
+
+    def __init__(self, index: TierIndex, cpu: CpuTier, room: CpuRoom, stats: StatsLedger,
+                 names: TierNames, queue: list[TierJob],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``queue``: the tier's jobs for this step, where each part's job goes."""
+        self.index = index
+        self.cpu = cpu
+        self.room = room
+        self.stats = stats
+        self.names = names
+        self._queue = queue
+        self.clock = clock
+        self.read_wait_s: float | None = None  # a shared tier's wait for each part
+        self.owners: dict[BlockKey, TierRead] = {}
+
+    # ---------------------------------------------------------- ownership
+    def start(self, reader: str, entries: list[Entry], sink: Sink, kind: RoomKind,
+              what: str = "a read") -> TierRead:
+        """A read of ``entries`` for ``reader``; it owns their keys until :meth:`end`."""
+        read = TierRead(reader, entries, sink, kind, self.clock(), what)
+        self.index.pin(read.keys)
+        self.owners.update((key, read) for key in read.keys)
+        return read
+
+    def owned_by_another(self, key: BlockKey, reader: str) -> bool:
+        """Whether another reader's read brings ``key`` (``reader`` waits for it)."""
+        read = self.owners.get(key)
+        return read is not None and read.reader != reader
+
+    def keep_only(self, read: TierRead, keep: Callable[[int], bool]) -> None:
+        """Give up the entries whose index ``keep`` refuses, before anything is queued."""
+        assert read.next == 0 and read.part is None, "a read is trimmed before it starts"
+        gone = [key for i, (key, _) in enumerate(read.entries) if not keep(i)]
+        read.entries = [e for i, e in enumerate(read.entries) if keep(i)]
+        self._let_go(read, gone)
+
+    def end(self, read: TierRead) -> None:
+        """The reader is done: its keys are let go, but those of a part still in flight,
+        whose pins go when its job ends."""
+        if read.ended:
+            return
+        read.ended = True
+        out = {key for part in read.in_flight for key, _ in part}
+        self._let_go(read, [k for k in read.keys if k not in out])
+
+    def _let_go(self, read: TierRead, keys: list[BlockKey]) -> None:
+        self.index.unpin(keys)
+        for key in keys:
+            if self.owners.get(key) is read:
+                del self.owners[key]
+
+    # ------------------------------------------------------------ reading
+    def advance(self, read: TierRead, room: int | None = None) -> bool:
+        """Queue the read's next part, of at most ``room`` entries (default: what the
+        broker grants its kind), unless one is in flight; apply the deadline. False when
+        the read wanted room and got none."""
+        now = self.clock()
+        if read.part is not None:
+            if self.read_wait_s is not None and now - read.since > self.read_wait_s:
+                read.stop(read.next - len(read.part))  # read late: the rest is recomputed
+            return True
+        if read.over() or read.ended:
+            return True
+        left = read.left()
+        n = self.room.grant(read.kind, left) if room is None else min(room, left)
+        if n <= 0:
+            if starved(read.since, now, self.names.label, read.what):
+                read.stop(read.next)
+            return False
+        part = read.entries[read.next:read.next + n]
+        read.next += n
+        read.part = part
+        read.since = now
+        read.in_flight.append(part)
+        self._queue.append(TierJob(
+            JobKind.PROMOTE, [k for k, _ in part], self.cpu.allocate(n), [h for _, h in part],
+            on_done=lambda job, n_ok: self._part_read(read, part, job, n_ok)))
+        return True
+
+    def overdue(self, read: TierRead) -> bool:
+        """Whether the part in flight is past the tier's read wait."""
+        return (read.part is not None and self.read_wait_s is not None
+                and self.clock() - read.since > self.read_wait_s)
+
+    def finish(self, job: TierJob) -> None:
+        """Every rank reported a part: failed keys leave the index, what read before the
+        first of them is published, and the read hears of it."""
+        self.index.drop(job.failed)
+        n_ok = next((i for i, k in enumerate(job.keys) if k in job.failed), len(job.keys))
+        if not job.abandoned:
+            self.cpu.publish(job.blocks[:n_ok], job.hashes[:n_ok])
+            self.stats.record_tier(self.names.name, promoted=n_ok)
+        job.on_done(job, n_ok)
+
+    def cancel(self, job: TierJob) -> None:
+        """A part never sent (a reset): nothing read, nothing published."""
+        job.cancelled = True
+        job.on_done(job, 0)
+
+    def _part_read(self, read: TierRead, part: list[Entry], job: TierJob, n_ok: int) -> None:
+        blocks = job.blocks
+        read.in_flight.remove(part)
+        read.cancelled = read.cancelled or job.cancelled
+        if read.ended:
+            self.index.unpin(k for k, _ in part)
+            for key, _ in part:
+                if self.owners.get(key) is read:
+                    del self.owners[key]
+            self.cpu.unpin(blocks)
+            return
+        if read.part is not part:  # given up (late): the blocks were never the sink's
+            self.cpu.unpin(blocks)
+            return
+        read.part = None
+        read.since = self.clock()
+        if n_ok < len(part):
+            read.stop(read.next - len(part) + n_ok)
+        read.sink(read, part, blocks, n_ok)
