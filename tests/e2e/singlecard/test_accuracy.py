@@ -7,6 +7,8 @@ with it, the prefix comes back from the CPU tier (``num_cached_tokens > 0``) and
 the tokens and logprobs must match the baseline exactly.
 """
 
+import os
+
 import pytest
 
 from kvoffload_hal.demo.inprocess import (
@@ -110,12 +112,17 @@ def test_accelerator_singlecard_accuracy(tiny_model_dir, baseline, kind, monkeyp
 
 
 def test_canary_corrupted_loads_change_outputs(tiny_model_dir, baseline, monkeypatch):
-    """The comparison above can fail: damaged KV from the CPU tier changes tokens."""
+    """The comparison above can fail: damaged KV from the CPU tier changes tokens.
+    With ``KVOFFLOAD_HAL_BACKEND=cuda`` (an engine on a GPU) the CUDA backend damages."""
     from kvoffload_hal.hal import register_backend
 
-    register_backend("corrupting-cpu", "corrupting_backend:CorruptingCpuBackend",
-                     synchronous_compute=True)
-    monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", "corrupting-cpu")
+    if os.environ.get("KVOFFLOAD_HAL_BACKEND") == "cuda":
+        register_backend("corrupting-cuda", "corrupting_cuda_backend:CorruptingCudaBackend")
+        monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", "corrupting-cuda")
+    else:
+        register_backend("corrupting-cpu", "corrupting_backend:CorruptingCpuBackend",
+                         synchronous_compute=True)
+        monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", "corrupting-cpu")
     monkeypatch.syspath_prepend(__file__.rsplit("/", 1)[0])
     outputs, _ = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
     assert all(c > 0 for c, _, _ in outputs[NUM_DOCS:])

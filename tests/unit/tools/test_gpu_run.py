@@ -111,3 +111,10 @@ def test_steps_run_with_their_environment_and_log(tmp_path, monkeypatch):
     result = gpu_run.run_step("e2e", spec, tmp_path)
     assert result["rc"] == 0
     assert (tmp_path / "e2e.log").read_text().strip() == "cuda"
+
+
+def test_a_step_past_its_time_is_stopped_and_said_so(tmp_path):
+    spec = dict(cmd=[sys.executable, "-c", "import time; time.sleep(30)"], cwd=str(tmp_path),
+                env={})
+    result = gpu_run.run_step("preflight", spec, tmp_path, limit_s=1.0)
+    assert result["rc"] == "timeout" and result["seconds"] < 10
