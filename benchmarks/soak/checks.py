@@ -63,17 +63,21 @@ def leak_checks(rows: list[dict], cfg: SoakConfig) -> list[Check]:
                          most <= cfg.disk_blocks + 16))
     if kept:
         first, last = kept[0], rows[-1]  # the last row is taken once the server is idle
-        for key, slack in (("fds", 8), ("threads", 4)):
+        for key, slack in (("fds", 8), ("threads", 4), ("rss_bytes", cfg.rss_slack_bytes)):
+            shown = (lambda v: f"{v / 2**20:.0f} MiB") if key == "rss_bytes" else str
             out.append(Check(f"{key}: idle at the end vs after warm-up",
-                             f"{last[key]} vs {first[key]}", f"<= +{slack}",
-                             last[key] <= first[key] + slack))
+                             f"{shown(last[key])} vs {shown(first[key])}",
+                             f"<= +{shown(slack)}", last[key] <= first[key] + slack))
+    span = kept[-1]["requests"] - kept[0]["requests"] if kept else 0
+    judged = span >= cfg.min_leak_requests
     bounds = {**SLOPE_BOUNDS, **cfg.leak_bounds}
     for key, bound in bounds.items():
         slope = slope_per_1000([r["requests"] for r in kept], [r[key] for r in kept])
-        unit = " MiB" if key == "rss_bytes" else ""
-        scale = 1 / (1 << 20) if key == "rss_bytes" else 1
+        scale, unit = (1 / (1 << 20), " MiB") if key == "rss_bytes" else (1, "")
         out.append(Check(f"leak: {key} per 1000 requests", f"{slope * scale:+.2f}{unit}",
-                         f"<= {bound * scale:g}{unit}", slope <= bound))
+                         f"<= {bound * scale:g}{unit}" + ("" if judged else
+                         f" (judged over >= {cfg.min_leak_requests} requests)"),
+                         slope <= bound or not judged))
     return out
 
 

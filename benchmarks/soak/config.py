@@ -40,6 +40,8 @@ class SoakConfig:
     out_dir: Path | None = None  # table, samples and plot
     fault_rounds: int = 0  # each fault once per round; 0: as many as the time allows
     leak_bounds: dict = field(default_factory=dict)  # overrides checks.SLOPE_BOUNDS
+    min_leak_requests: int = 1000  # slopes over fewer requests are shown, not judged
+    rss_slack_bytes: int = 256 << 20  # idle RSS at the end vs just after warm-up
 
     @property
     def disk_path(self) -> Path:
