@@ -13,10 +13,11 @@ engines side by side in one run:
    (what the small batches cost, apart from what copies cost).
 
 One engine per configuration serves every document count in turn (smallest first,
-each count with documents of its own, the device prefix cache reset in between):
+each count with documents of its own):
 an engine's start costs more GPU time than its passes. Reported per engine and
 count: the measured pass's wall time, TTFT mean/p50/p99, prompt tokens served from
-a cache, and the bytes each connector copied with the bandwidth its copies saw.
+a cache, the bytes each connector copied with the bandwidth its copies saw, and
+whether the engine generated the same tokens as ``prefix-cache`` (a digest).
 Writes ``gpu_long_doc_qa.{md,json}`` to ``--out-dir``.
 
     python benchmarks/gpu_long_doc_qa.py --out-dir DIR [--shape llama-3.2-1b]
@@ -26,6 +27,7 @@ Writes ``gpu_long_doc_qa.{md,json}`` to ``--out-dir``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import time
@@ -127,9 +129,13 @@ class CopyMeter:
     """Bytes each connector's worker copied and the seconds its copies took."""
 
     def __init__(self, config: str):
-        from support.engines import worker_connector
+        from vllm.distributed.kv_transfer.kv_transfer_state import (
+            get_kv_transfer_group,
+            has_kv_transfer_group,
+        )
 
-        self.config, self.conn, self.sums = config, worker_connector(), {}
+        self.conn = get_kv_transfer_group() if has_kv_transfer_group() else None
+        self.config, self.sums = config, {}
         if config == UPSTREAM and self.conn is not None:
             worker = self.conn.connector_worker
             original = worker.get_kv_connector_stats
@@ -166,7 +172,6 @@ def measured_pass(llm, docs: list[list[int]], seed: int, meter: CopyMeter) -> di
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    llm.reset_prefix_cache()
     llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs], params, use_tqdm=False)
     order = [i for i in range(len(docs)) for _ in range(2)]
     random.Random(seed).shuffle(order)
@@ -181,7 +186,14 @@ def measured_pass(llm, docs: list[list[int]], seed: int, meter: CopyMeter) -> di
                 ttft_p99=ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
                 cached_tokens=sum(o.num_cached_tokens or 0 for o in outs),
                 prompt_tokens=sum(len(o.prompt_token_ids) for o in outs), steps=counter[0],
-                copies={k: after[k] - before[k] for k in after})
+                copies={k: after[k] - before[k] for k in after},
+                tokens=tokens_digest([list(o.outputs[0].token_ids) for o in outs]))
+
+
+def tokens_digest(outputs: list[list[int]]) -> str:
+    """A digest of every request's output tokens, in order: equal across engines when
+    each generated the same tokens."""
+    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:12]
 
 
 def run_config(config: str, args: argparse.Namespace, shape: TinyModelSpec, model: str,
@@ -217,9 +229,10 @@ def gbps(num_bytes: float, seconds: float) -> str:
 def format_table(rows: list[dict]) -> str:
     """One line per count and engine; pass time also as a multiple of prefix-cache's."""
     lines = ["| docs | engine | pass s | x prefix-cache | TTFT mean ms | p50 | p99 | "
-             "cached tokens | loaded GiB | load GB/s | stored GiB | store GB/s |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "cached tokens | loaded GiB | load GB/s | stored GiB | store GB/s | tokens |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     base = {r["num_docs"]: r["wall_s"] for r in rows if r["config"] == PREFIX}
+    same = {r["num_docs"]: r["tokens"] for r in rows if r["config"] == PREFIX}
     for r in sorted(rows, key=lambda r: (r["num_docs"], CONFIGS.index(r["config"]))):
         c = r["copies"]
         ratio = f"{r['wall_s'] / base[r['num_docs']]:.2f}" if r["num_docs"] in base else "-"
@@ -228,8 +241,16 @@ def format_table(rows: list[dict]) -> str:
             f"{r['ttft_mean'] * 1e3:.1f} | {r['ttft_p50'] * 1e3:.1f} | "
             f"{r['ttft_p99'] * 1e3:.1f} | {r['cached_tokens']}/{r['prompt_tokens']} | "
             f"{c['load_bytes'] / 2**30:.2f} | {gbps(c['load_bytes'], c['load_s'])} | "
-            f"{c['store_bytes'] / 2**30:.2f} | {gbps(c['store_bytes'], c['store_s'])} |")
+            f"{c['store_bytes'] / 2**30:.2f} | {gbps(c['store_bytes'], c['store_s'])} | "
+            f"{_same(r, same)} |")
     return "\n".join(lines)
+
+
+def _same(row: dict, base: dict) -> str:
+    """Whether the row's engine generated prefix-cache's tokens (same count)."""
+    if row["num_docs"] not in base or row["config"] == PREFIX:
+        return row["tokens"]
+    return "same" if row["tokens"] == base[row["num_docs"]] else f"DIFFER {row['tokens']}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

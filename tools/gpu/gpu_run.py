@@ -37,12 +37,13 @@ import bundle_parts  # noqa: E402
 
 STASH = Path("/root/kvoffload_bundle")
 STEPS = ("preflight", "e2e", "qa")
-#: The engine runs on CUDA with FlashAttention 3 (the build the bundle keeps) and
-#: batch-invariant kernels: a prompt computed whole and one computed after a cached
-#: prefix give the same logits, as on the CPU platform.
-GPU_ENV = {"VLLM_TARGET_DEVICE": "cuda", "KVOFFLOAD_HAL_BACKEND": "cuda",
-           "VLLM_FLASH_ATTN_VERSION": "3", "VLLM_BATCH_INVARIANT": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+#: The engine runs on CUDA with the CUDA backend.
+GPU_ENV = {"VLLM_TARGET_DEVICE": "cuda", "KVOFFLOAD_HAL_BACKEND": "cuda", "HF_HUB_OFFLINE": "1",
+           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+#: With FlashAttention 3 (the build the bundle keeps) and batch-invariant kernels: a
+#: prompt computed whole and one computed after a cached prefix give the same logits,
+#: as on the CPU platform. A value set in the caller's environment stands.
+GPU_TUNING = {"VLLM_FLASH_ATTN_VERSION": "3", "VLLM_BATCH_INVARIANT": "1"}
 #: The baseline, then the CUDA backend eager (``accelerator``) and lazy, and the
 #: corrupting control; ``eager`` would repeat ``accelerator`` with the variable set.
 E2E_TESTS = ["tests/e2e/singlecard/test_accuracy.py", "-k", "lazy or accelerator or canary"]
@@ -91,8 +92,9 @@ def install(stash: Path) -> tuple[Path, Path]:
 
 def step_commands(site: Path, src: Path, out: Path, qa_args: list[str]) -> dict:
     """Each step's command line, working directory and environment additions."""
-    env = dict(GPU_ENV, PYTHONPATH=os.pathsep.join([str(site), str(src / "tests"),
-                                                    str(src / "benchmarks")]))
+    env = {key: os.environ.get(key, value) for key, value in GPU_TUNING.items()}
+    env.update(GPU_ENV)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(src / "tests"), str(src / "benchmarks")])
     py = sys.executable
     return {
         "preflight": dict(cmd=[py, str(src / "tools/gpu/preflight.py"), str(site)],

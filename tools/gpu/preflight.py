@@ -1,6 +1,6 @@
 """Before any engine starts: does the installed bundle fit the machine it landed on?
 
-    PYTHONPATH=SITE python3 tools/gpu/preflight.py SITE
+    PYTHONPATH=SITE python3 tools/gpu/preflight.py SITE [--without-driver]
 
 1. every requirement of every distribution installed in ``SITE`` on a distribution
    the run imports (``needed_dists.txt``) holds against what this Python really
@@ -9,11 +9,14 @@
    FlashAttention backend, the GPU model runner, the Llama and Qwen models, vLLM's
    OffloadingConnector and this project's connector and CUDA backend.
 
-Prints one line per problem; exit status 1 if there is any.
+Prints one line per problem; exit status 1 if there is any. ``--without-driver``
+(``import_check.py``, a machine without a GPU): where ``libcuda.so.1`` does not load,
+the modules whose kernels link it are listed as not checked instead.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import sys
 from importlib.metadata import PackageNotFoundError, distributions, version
@@ -30,6 +33,18 @@ MODULES = (
     "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
     "kvoffload_hal.connector", "kvoffload_hal.backends.cuda",
 )
+
+
+#: Modules whose import loads kernels linked against the driver library.
+NEED_DRIVER = ("vllm.platforms.cuda", "vllm._C", "vllm.vllm_flash_attn.flash_attn_interface")
+
+
+def driver_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def requirement_problems(site: Path, needed: set[str]) -> list[str]:
@@ -62,7 +77,11 @@ def import_problems(modules: tuple[str, ...] = MODULES) -> list[str]:
 def main(argv: list[str]) -> int:
     site = Path(argv[0])
     problems = requirement_problems(site, set(load_needed()))
-    problems += import_problems()
+    modules = MODULES
+    if "--without-driver" in argv[1:] and not driver_loads():
+        modules = tuple(m for m in MODULES if m not in NEED_DRIVER)
+        print(f"not checked (they need libcuda.so.1): {', '.join(NEED_DRIVER)}")
+    problems += import_problems(modules)
     for line in problems:
         print(f"PROBLEM: {line}")
     import torch

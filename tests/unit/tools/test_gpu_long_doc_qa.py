@@ -64,12 +64,16 @@ def test_copy_totals_and_the_table():
     assert up == dict(load_bytes=1e9, load_s=0.25, store_bytes=0, store_s=0.0)
     row = dict(num_docs=8, wall_s=2.0, ttft_mean=0.1, ttft_p50=0.1, ttft_p99=0.2,
                cached_tokens=100, prompt_tokens=200)
-    rows = [dict(row, config=gpu_qa.HAL, copies=hal),
-            dict(row, config=gpu_qa.PREFIX, wall_s=4.0, copies=up)]
+    digest = gpu_qa.tokens_digest([[1, 2], [3]])
+    assert digest != gpu_qa.tokens_digest([[1, 2], [4]])
+    rows = [dict(row, config=gpu_qa.HAL, copies=hal, tokens=digest),
+            dict(row, config=gpu_qa.PREFIX, wall_s=4.0, copies=up, tokens=digest),
+            dict(row, config=gpu_qa.UPSTREAM, copies=up, tokens="0" * 12)]
     lines = gpu_qa.format_table(rows).splitlines()
     assert lines[2].startswith("| 8 | prefix-cache | 4.000 | 1.00 |")
     assert lines[3].startswith("| 8 | hal-offload | 2.000 | 0.50 |")
-    assert lines[3].endswith("| 3.73 | 8.0 | 1.86 | 2.0 |")
+    assert lines[3].endswith("| 3.73 | 8.0 | 1.86 | 2.0 | same |")
+    assert lines[4].endswith(f"| DIFFER {'0' * 12} |")
 
 
 def test_each_count_has_documents_of_its_own():
