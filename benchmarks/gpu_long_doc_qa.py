@@ -16,7 +16,8 @@ One engine per configuration serves every document count in turn (smallest first
 each count with documents of its own):
 an engine's start costs more GPU time than its passes. Reported per engine and
 count: the measured pass's wall time, TTFT mean/p50/p99, prompt tokens served from
-a cache, the bytes each connector copied with the bandwidth its copies saw, and
+a cache, the bytes each connector copied in both passes with the bandwidth its
+copies saw (bytes over the seconds its copies took), and
 whether the engine generated the same tokens as ``prefix-cache`` (a digest).
 Writes ``gpu_long_doc_qa.{md,json}`` to ``--out-dir``.
 
@@ -50,6 +51,9 @@ SHAPES = {
     "qwen3-1.7b": TinyModelSpec(hidden_size=2048, intermediate_size=6144,
                                 num_hidden_layers=28, num_attention_heads=16,
                                 num_key_value_heads=8, max_position_embeddings=8192),
+    # A smoke run on vLLM's CPU platform (without vllm-offloading: its copies need CUDA).
+    "tiny": TinyModelSpec(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=4),
 }
 PREFIX, HAL, UPSTREAM, SAME_BATCH = ("prefix-cache", "hal-offload", "vllm-offloading",
                                      "limit-at-8-seqs")
@@ -172,10 +176,11 @@ def measured_pass(llm, docs: list[list[int]], seed: int, meter: CopyMeter) -> di
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    before = meter.totals()  # copies of both passes: the warm-up's stores too
     llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs], params, use_tqdm=False)
     order = [i for i in range(len(docs)) for _ in range(2)]
     random.Random(seed).shuffle(order)
-    before, counter = meter.totals(), _count_steps(llm)
+    counter = _count_steps(llm)
     start = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=docs[i]) for i in order], params,
                         use_tqdm=False)

@@ -136,17 +136,18 @@ def run(args: argparse.Namespace) -> int:
     summary: dict = {"machine": machine_facts()}
     site, src = install(args.stash)
     commands = step_commands(site, src, args.out, args.qa_args)
-    results = []
+    summary["steps"] = results = []
     for name in args.steps:
         if args.dry_run:
             results.append(dict(step=name, **commands[name]))
-            continue
-        results.append(run_step(name, commands[name], args.out, deadline - time.monotonic()))
-        print(json.dumps(results[-1]), flush=True)
-        if name == "preflight" and results[-1]["rc"] != 0:
+        else:
+            results.append(run_step(name, commands[name], args.out,
+                                    deadline - time.monotonic()))
+            print(json.dumps(results[-1]), flush=True)
+        # After each step: a command stopped at its limit still leaves what ran.
+        (args.out / "steps.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        if name == "preflight" and results[-1].get("rc", 0) != 0:
             break  # nothing else can run
-    summary["steps"] = results
-    (args.out / "steps.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     return 0 if all(r.get("rc", 0) == 0 for r in results) else 1
 
 

@@ -86,6 +86,10 @@ def main(argv: list[str]) -> int:
         print(f"PROBLEM: {line}")
     import torch
 
+    try:
+        print(f"vllm {version('vllm')}, kvoffload-hal {version('kvoffload-hal')}")
+    except PackageNotFoundError as e:
+        print(f"not installed: {e}")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else None}")
     print("preflight: " + ("FAIL" if problems else "PASS"))
