@@ -17,6 +17,9 @@ runs each step with the installed packages first on ``PYTHONPATH``:
 Each step's output goes to ``DIR/<step>.log``, the summary to ``DIR/steps.json`` (at
 most 8 files come back from a run). ``--dry-run`` does everything up to the steps
 and writes the steps' commands to ``steps.json`` instead of running them.
+``--from-tree .`` takes the tests, benchmarks and this project from the working tree
+that travels with every call (installed with ``pip --no-build-isolation``): a rerun
+after a fix needs no new bundle.
 """
 
 from __future__ import annotations
@@ -90,11 +93,23 @@ def install(stash: Path) -> tuple[Path, Path]:
     return site, src
 
 
-def step_commands(site: Path, src: Path, out: Path, qa_args: list[str]) -> dict:
+def install_tree(root: Path, stash: Path) -> Path:
+    """This project from the working tree ``root``, into a target of its own."""
+    own = stash / "own"
+    shutil.rmtree(own, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--no-build-isolation", "--no-compile", "--target", str(own), str(root)],
+                   check=True)
+    return own
+
+
+def step_commands(site: Path, src: Path, out: Path, qa_args: list[str],
+                  own: Path | None = None) -> dict:
     """Each step's command line, working directory and environment additions."""
     env = {key: os.environ.get(key, value) for key, value in GPU_TUNING.items()}
     env.update(GPU_ENV)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(src / "tests"), str(src / "benchmarks")])
+    path = [str(site), str(src / "tests"), str(src / "benchmarks")]
+    env["PYTHONPATH"] = os.pathsep.join(([str(own)] if own else []) + path)
     py = sys.executable
     return {
         "preflight": dict(cmd=[py, str(src / "tools/gpu/preflight.py"), str(site)],
@@ -135,7 +150,10 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"machine": machine_facts()}
     site, src = install(args.stash)
-    commands = step_commands(site, src, args.out, args.qa_args)
+    own = None
+    if args.from_tree is not None:  # a fix made since the bundle was built
+        src, own = args.from_tree, install_tree(args.from_tree, args.stash)
+    commands = step_commands(site, src.resolve(), args.out, args.qa_args, own)
     summary["steps"] = results = []
     for name in args.steps:
         if args.dry_run:
@@ -160,6 +178,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     go.add_argument("--out", type=Path, required=True)
     go.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     go.add_argument("--dry-run", action="store_true")
+    go.add_argument("--from-tree", type=Path, default=None, metavar="ROOT",
+                    help="tests, benchmarks and this project from the working tree ROOT "
+                         "instead of the bundle's (a rerun after a fix, no parts resent)")
     go.add_argument("--deadline-s", type=float, default=560,
                     help="every step ends by then (seconds from the start)")
     go.add_argument("--qa-args", nargs=argparse.REMAINDER, default=[],

@@ -120,3 +120,23 @@ def test_a_step_past_its_time_is_stopped_and_said_so(tmp_path):
                 env={})
     result = gpu_run.run_step("preflight", spec, tmp_path, limit_s=1.0)
     assert result["rc"] == "timeout" and result["seconds"] < 10
+
+
+def test_from_tree_runs_the_working_tree_and_its_package_first(tmp_path):
+    _bundle(tmp_path)
+    stash, tree = tmp_path / "stash", tmp_path / "tree"
+    gpu_run.receive(tmp_path / "parts", stash)
+    (tree / "owntree").mkdir(parents=True)
+    (tree / "owntree" / "__init__.py").write_text("FIXED = True\n")
+    (tree / "setup.py").write_text("from setuptools import setup\n"
+                                   "setup(name='owntree', version='0.1', packages=['owntree'])\n")
+    out = tmp_path / "out"
+    assert gpu_run.main(["run", "--out", str(out), "--dry-run", "--stash", str(stash),
+                         "--from-tree", str(tree)]) == 0
+    steps = {s["step"]: s for s in json.loads((out / "steps.json").read_text())["steps"]}
+    path = steps["e2e"]["env"]["PYTHONPATH"].split(":")
+    assert path[:2] == [str(stash / "own"), str(stash / "site")]
+    assert path[2] == str(tree.resolve() / "tests") and steps["e2e"]["cwd"] == str(tree.resolve())
+    got = subprocess.run([sys.executable, "-c", "import owntree; print(owntree.FIXED)"],
+                         env={"PYTHONPATH": path[0]}, capture_output=True, text=True)
+    assert got.stdout.strip() == "True", got.stderr
