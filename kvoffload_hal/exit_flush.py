@@ -24,7 +24,7 @@ after its last request finished:
   blocks until the next one).
 
 What is still being written when the workers stop gets the same bound there
-(:meth:`~kvoffload_hal.tiers.worker_tier.SecondaryTier.shutdown`); a write
+(:meth:`~kvoffload_hal.tiers.spec.SecondaryTier.shutdown`); a write
 unfinished then is dropped whole, never left half-written.
 """
 

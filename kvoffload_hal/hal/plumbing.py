@@ -13,26 +13,19 @@
 
 ``log_once(logger, level, msg, *args)``
     Log a message the first time its formatted text is seen in this process
-    (per logger and level), e.g. the copy path a backend chose: every worker
-    constructs a backend, and the line says the same thing each time.
+    (:func:`kvoffload_hal.logger.log_once`, offered here beside the rest).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from collections.abc import Callable, Iterator
 
-from kvoffload_hal.logger import init_logger
+from kvoffload_hal.logger import init_logger, log_once
 
 __all__ = ["chunk_bounds", "enqueue_in_chunks", "env_int", "log_once"]
 
 logger = init_logger(__name__)
-
-_logged_messages: set[tuple[str, int, str]] = set()
-_logged_lock = threading.Lock()
-
 
 def chunk_bounds(count: int, max_per_chunk: int) -> Iterator[tuple[int, int]]:
     """``(start, end)`` of consecutive chunks of at most ``max_per_chunk``, covering
@@ -82,18 +75,3 @@ def env_int(name: str, default: int, minimum: int | None = None,
             or (maximum is not None and value > maximum)):
         raise ValueError(f"{name}={raw!r} is invalid: expected {expected}")
     return value
-
-
-def log_once(logger: logging.Logger, level: int, msg: str, *args: object) -> bool:
-    """Log ``msg % args`` unless ``logger`` already logged that text at ``level``.
-
-    Returns True when it logged. The key is the formatted text, so the same
-    format with other arguments (another copy path, another limit) logs again.
-    """
-    key = (logger.name, level, msg % args if args else msg)
-    with _logged_lock:
-        if key in _logged_messages:
-            return False
-        _logged_messages.add(key)
-    logger.log(level, msg, *args, stacklevel=2)
-    return True

@@ -21,8 +21,12 @@ from kvoffload_hal.plugins import PluginTargets, load_class
 from kvoffload_hal.tiers.spec import TierSpec
 
 if TYPE_CHECKING:
-    from kvoffload_hal.tiers.spec import SchedulerHalf, SchedulerTierContext, WorkerTierContext
-    from kvoffload_hal.tiers.worker_tier import SecondaryTier
+    from kvoffload_hal.tiers.spec import (
+        SchedulerHalf,
+        SchedulerTierContext,
+        SecondaryTier,
+        WorkerTierContext,
+    )
 
 logger = init_logger(__name__)
 
@@ -110,7 +114,7 @@ def scheduler_half(spec: TierSpec | None, runs: bool,
 
 def build_worker_half(spec: TierSpec | None, runs: bool,
                       ctx: WorkerTierContext) -> SecondaryTier:
-    from kvoffload_hal.tiers.worker_tier import NullTier
+    from kvoffload_hal.tiers.spec import NullTier
 
     if spec is None or not runs:
         return NullTier()

@@ -28,10 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
-from kvoffload_hal.hal.plumbing import log_once
-from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.spec import BlockKey, TierItem
-from kvoffload_hal.tiers.worker_tier import SecondaryTier, TierJobResult
+from kvoffload_hal.logger import init_logger, log_once
+from kvoffload_hal.tiers.spec import BlockKey, SecondaryTier, TierItem, TierJobResult
 
 logger = init_logger(__name__)
 

@@ -54,8 +54,7 @@ from kvoffload_hal.metadata import (
 from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
 from kvoffload_hal.tiers.identity import kv_fingerprint, rank_in_replica
 from kvoffload_hal.tiers.registry import build_worker_half
-from kvoffload_hal.tiers.spec import WorkerTierContext
-from kvoffload_hal.tiers.worker_tier import NullTier, SecondaryTier
+from kvoffload_hal.tiers.spec import NullTier, SecondaryTier, WorkerTierContext
 from kvoffload_hal.worker.loads import LoadOutcomes
 from kvoffload_hal.worker.shutdown import shut_down
 

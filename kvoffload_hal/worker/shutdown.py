@@ -12,7 +12,7 @@ from kvoffload_hal.logger import init_logger
 if TYPE_CHECKING:
     from kvoffload_hal.hal import DmaCopyBackend
     from kvoffload_hal.hal.host import HostChunks
-    from kvoffload_hal.tiers.worker_tier import SecondaryTier
+    from kvoffload_hal.tiers.spec import SecondaryTier
 
 logger = init_logger(__name__)
 

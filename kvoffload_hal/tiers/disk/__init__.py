@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvoffload_hal.config_values import boolean, one_of, positive_int
 from kvoffload_hal.logger import init_logger
@@ -48,12 +48,10 @@ from kvoffload_hal.tiers.spec import (
     CapacityClaim,
     SchedulerHalf,
     SchedulerTierContext,
+    SecondaryTier,
     TierSpec,
     WorkerTierContext,
 )
-
-if TYPE_CHECKING:
-    from kvoffload_hal.tiers.worker_tier import SecondaryTier
 
 logger = init_logger(__name__)
 

@@ -10,18 +10,16 @@ each other's blocks only with the same ``PYTHONHASHSEED``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvoffload_hal.tiers.mooncake.config import MOONCAKE_KEYS, MooncakeConfig, parse_mooncake
 from kvoffload_hal.tiers.spec import (
     SchedulerHalf,
     SchedulerTierContext,
+    SecondaryTier,
     TierSpec,
     WorkerTierContext,
 )
-
-if TYPE_CHECKING:
-    from kvoffload_hal.tiers.worker_tier import SecondaryTier
 
 # Keys the scheduler remembers the store holds. Not the store's capacity (the
 # master evicts by itself): past it, the least recently used are forgotten and

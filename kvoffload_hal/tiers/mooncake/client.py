@@ -21,8 +21,7 @@ import socket
 import threading
 from typing import Any
 
-from kvoffload_hal.hal.plumbing import log_once
-from kvoffload_hal.logger import init_logger
+from kvoffload_hal.logger import init_logger, log_once
 from kvoffload_hal.tiers.mooncake.config import MooncakeConfig
 
 logger = init_logger(__name__)

@@ -37,8 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvoffload_hal.hal.plumbing import log_once
-from kvoffload_hal.logger import init_logger
+from kvoffload_hal.logger import init_logger, log_once
 from kvoffload_hal.tiers.block_value import HEADER, BlockValueFormat
 from kvoffload_hal.tiers.mooncake.client import (
     MooncakeUnavailable,
@@ -47,9 +46,8 @@ from kvoffload_hal.tiers.mooncake.client import (
     register,
     tier_available,
 )
-from kvoffload_hal.tiers.spec import BlockKey, TierItem
+from kvoffload_hal.tiers.spec import BlockKey, SecondaryTier, TierItem, TierJobResult
 from kvoffload_hal.tiers.worker_pool import PooledTier
-from kvoffload_hal.tiers.worker_tier import SecondaryTier, TierJobResult
 
 if TYPE_CHECKING:
     from kvoffload_hal.tiers.mooncake.config import MooncakeConfig

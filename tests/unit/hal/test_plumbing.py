@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvoffload_hal.hal import plumbing
+from kvoffload_hal import logger as package_logger
 from kvoffload_hal.hal.plumbing import chunk_bounds, enqueue_in_chunks, env_int, log_once
 
 VAR = "KVOFFLOAD_HAL_TEST_SETTING"
@@ -88,7 +88,7 @@ def test_env_int_names_variable_value_and_expectation_in_one_line(monkeypatch, r
 
 
 def test_log_once_logs_each_text_once_per_logger_and_level(monkeypatch, caplog):
-    monkeypatch.setattr(plumbing, "_logged_messages", set())
+    monkeypatch.setattr(package_logger, "_logged_messages", set())
     log = logging.getLogger("kvoffload_hal.test_plumbing")
     with caplog.at_level(logging.INFO, logger=log.name):
         assert log_once(log, logging.INFO, "copies: %s", "batch")

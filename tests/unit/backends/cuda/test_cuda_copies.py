@@ -13,6 +13,7 @@ from cuda_fake import CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_NOT_SUPPORTED, SIZE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvoffload_hal import logger as package_logger
 from kvoffload_hal.backends.cuda import _copy
 from kvoffload_hal.backends.cuda import backend as cuda_backend
 from kvoffload_hal.backends.cuda._driver import (
@@ -21,7 +22,6 @@ from kvoffload_hal.backends.cuda._driver import (
     CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
     CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
 )
-from kvoffload_hal.hal import plumbing
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from kvoffload_hal.hal.regions import merge_runs
 from support.polling import collect_results, wait_until
@@ -163,7 +163,7 @@ def test_bad_max_descriptors_env_var_is_named(fake, monkeypatch, raw, expected):
 @pytest.mark.parametrize("variant", ["no_batch"])
 def test_loop_fallback_without_batch_entry_point_is_logged_once(
         fake, make_setup, caplog, monkeypatch):
-    monkeypatch.setattr(plumbing, "_logged_messages", set())
+    monkeypatch.setattr(package_logger, "_logged_messages", set())
     with caplog.at_level("INFO", logger=cuda_backend.__name__):
         first, _ = make_setup(), make_setup()
     assert first.backend.copy_path == _copy.LOOP_PATH

@@ -14,6 +14,7 @@ import logging
 import pytest
 from cuda_fake import CUDA_ERROR_ILLEGAL_ADDRESS
 
+from kvoffload_hal import logger as package_logger
 from kvoffload_hal.backends.cuda import _kernel
 from kvoffload_hal.backends.cuda._kernel import (
     KERNEL_DIRECTIONS_ENV_VAR,
@@ -22,7 +23,6 @@ from kvoffload_hal.backends.cuda._kernel import (
     MAX_GRID_BLOCKS,
     THREADS_PER_BLOCK,
 )
-from kvoffload_hal.hal import plumbing
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from support.polling import wait_until
 
@@ -130,7 +130,7 @@ def test_failed_launch_fails_the_job_and_the_next_job_runs(fake, make_setup):
 @pytest.fixture
 def warnings(caplog, monkeypatch):
     """Warnings logged from now on, ``log_once``'s memory of earlier tests cleared."""
-    monkeypatch.setattr(plumbing, "_logged_messages", set())
+    monkeypatch.setattr(package_logger, "_logged_messages", set())
     caplog.set_level(logging.WARNING)
     return lambda: [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 

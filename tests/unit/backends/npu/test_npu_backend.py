@@ -12,10 +12,10 @@ import torch
 from ascend_kv import NUM_HOST_BLOCKS, AscendKv, bind_rig
 from fake_torch_npu import FakeEvent
 
+from kvoffload_hal import logger as package_logger
 from kvoffload_hal.backends.npu import NpuCopyBackend
 from kvoffload_hal.backends.npu import backend as npu_backend
 from kvoffload_hal.backends.npu._acl import ACL_LIBRARY_ENV, BATCH_V1, BATCH_V2, PER_COPY
-from kvoffload_hal.hal import plumbing
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from support.polling import collect_results
 
@@ -228,7 +228,7 @@ def test_shutdown_is_idempotent_and_keeps_host_memory(npu_env, kv):
 
 
 def test_copy_path_is_logged_once(npu_env, caplog, monkeypatch):
-    monkeypatch.setattr(plumbing, "_logged_messages", set())
+    monkeypatch.setattr(package_logger, "_logged_messages", set())
     logging.getLogger(npu_backend.__name__).propagate = True
     with caplog.at_level(logging.INFO, logger=npu_backend.__name__):
         npu_env.backend("none")

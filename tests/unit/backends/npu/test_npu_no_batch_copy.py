@@ -16,6 +16,7 @@ import pytest
 from ascend_kv import NUM_HOST_BLOCKS, AscendKv, bind_rig
 from fake_acl import FakeAcl, host_buffers
 
+from kvoffload_hal import logger as package_logger
 from kvoffload_hal.backends.npu._acl import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     BATCH_V1,
@@ -25,7 +26,6 @@ from kvoffload_hal.backends.npu._acl import (
     AclMemcpyBatchAttr,
     AclRuntime,
 )
-from kvoffload_hal.hal import plumbing
 from kvoffload_hal.hal.backend import Direction, TransferJob
 from kvoffload_hal.metrics import CopyPathWatch, StatsLedger
 from support.polling import collect_results
@@ -38,7 +38,7 @@ ACL_ERROR_RT_PARAM_INVALID = 107000
                          [("unsupported", BATCH_V2), ("unsupported_v1", BATCH_V1)])
 def test_feature_not_supported_switches_to_the_loop_for_good(fake_libs, monkeypatch, caplog,
                                                              variant, first_path):
-    monkeypatch.setattr(plumbing, "_logged_messages", set())
+    monkeypatch.setattr(package_logger, "_logged_messages", set())
     acl = FakeAcl(fake_libs[variant])
     runtime = AclRuntime(ctypes.CDLL(str(acl.path)), max_batch_descriptors=4)
     assert runtime.path == first_path and runtime.fallbacks == 0
