@@ -22,18 +22,11 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "kvoffload_hal.eviction"
 
-# On the long-document benchmark at 32 documents of 256 tokens (tier of 30) "adaptive"
-# computed 2720 tokens where LRU computed 4416 (minimum 2624), and it is within
-# 0.001 of LRU or above it on the trace replays (docs/design.md#eviction).
+# The measurements behind both defaults: docs/benchmarks.md, "The defaults".
 DEFAULT_EVICTION = "adaptive"
 
 # What the CPU tier does with its copies of blocks the device also holds
-# (kvoffload_hal.eviction.device_copies). "keep" (inclusive tiers) by default: on the
-# long-document benchmark "drop" computed fewer prompt tokens at 32 documents of 256
-# tokens (3584 against 4416, minimum 2624) but more at 64 (24448 against 23104) and
-# at 32 of 1024 tokens (9568 against 6688): where the requests running take the
-# whole device cache, every dropped copy must be stored again when they end, and
-# evicts a block only the CPU tier held (docs/design.md#one-cache).
+# (kvoffload_hal.scheduler.device_copies); "keep": the tiers are inclusive.
 DEVICE_COPY_MODES = ("keep", "drop", "drop_stored")
 DEFAULT_DEVICE_COPIES = "keep"
 

@@ -13,7 +13,7 @@ hash->block map, HMA group semantics and KV events all come from vLLM.
 * an :class:`~kvoffload_hal.eviction.base.Eviction` that decides where a block the
   tier lets go of goes in the free queue (vLLM's eviction order), told of
   every load and store;
-* :class:`~kvoffload_hal.eviction.device_copies.DeviceCopies`: copies of blocks
+* :class:`~kvoffload_hal.scheduler.device_copies.DeviceCopies`: copies of blocks
   the device also holds are evicted first (``device_copies``), so that the
   device and the tier hold different blocks.
 
@@ -35,8 +35,8 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.eviction.device_copies import DeviceCopies
 from kvoffload_hal.eviction.registry import DEFAULT_DEVICE_COPIES, DEFAULT_EVICTION, make_eviction
+from kvoffload_hal.scheduler.device_copies import DeviceCopies
 from kvoffload_hal.scheduler.store_policy import lazy_window_blocks
 from kvoffload_hal.vllm_compat import MEDIUM_CPU
 

@@ -51,16 +51,14 @@ class JobBook(Generic[T]):
     (a job of another book, or one already over) are ignored.
     """
 
-    def __init__(self, world_size: int, ids: Iterator[int] | None = None) -> None:
-        """``ids``: another book's :attr:`ids`, for jobs that must share one increasing
-        id sequence (the workers' copy queues take a job's id as its place in line)."""
+    def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.ids = itertools.count() if ids is None else ids
+        self._ids = itertools.count()
         self._sent: dict[int, tuple[T, RankTally]] = {}
 
     def new_id(self) -> int:
         """An id for a job whose result does not come back as a report."""
-        return next(self.ids)
+        return next(self._ids)
 
     def send(self, payload: T) -> int:
         """Hold ``payload`` under a new id until every rank reported it."""

@@ -12,7 +12,7 @@ Two policies behind one interface (:class:`StorePolicy`):
   allocations.
 
 Where the CPU tier drops its copies of blocks the device holds first
-(``device_copies``, :mod:`kvoffload_hal.eviction.device_copies`), a dropped block
+(``device_copies``, :mod:`kvoffload_hal.scheduler.device_copies`), a dropped block
 must be stored again before the device evicts it. Lazy stores do that by nature;
 eager ones get the lazy window too (``restore_window_blocks``), and offer again
 the blocks of a request that finishes or is preempted, which the device may
