@@ -56,11 +56,6 @@ class Capabilities:
         """How vLLM learns of a failed load (``vllm.load_recovery``)."""
         return self.vllm.load_recovery
 
-    @property
-    def report_failed_blocks(self) -> bool:
-        """Failed loads are reported to vLLM per block (else per request)."""
-        return self.single_group
-
 
 def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
                          backend: str | None = None) -> Capabilities:

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvoffload_hal.capabilities import resolve_capabilities
+from kvoffload_hal.capabilities import LoadRecovery, resolve_capabilities
 from kvoffload_hal.config import OffloadConfig
 from support import backend_doubles  # noqa: F401 (registers the test backends)
 
@@ -22,7 +22,8 @@ def _caps(num_groups, backend="cpu", **extra):
 
 def test_models_with_several_kv_cache_groups_are_accepted_on_every_vllm():
     caps = _caps(2)
-    assert not caps.single_group and not caps.report_failed_blocks and not caps.sync_loads
+    assert not caps.single_group and not caps.sync_loads
+    assert caps.load_recovery is not LoadRecovery.BLOCKS  # block ids are per group
 
 
 def test_load_mode_sync_needs_one_kv_cache_group():
@@ -46,9 +47,9 @@ def test_auto_loads_follow_the_backends_synchronous_compute():
 def test_the_disk_tier_serves_several_groups_of_one_block_size(tmp_path):
     disk = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20}
     one, two = _caps(1, **disk), _caps(2, **disk)
-    assert one.tier == "disk" and one.report_failed_blocks
+    assert one.tier == "disk" and one.load_recovery is LoadRecovery.BLOCKS
     # One entry per (group, block); failed loads are reported per request.
-    assert two.tier == "disk" and not two.report_failed_blocks
+    assert two.tier == "disk" and two.load_recovery is not LoadRecovery.BLOCKS
     config = OffloadConfig.from_extra_config(disk)
     mixed = resolve_capabilities(_groups(2, [16, 32]), config, backend="cpu")
     assert mixed.tier is None
@@ -64,7 +65,6 @@ def test_a_missing_backend_fails_with_its_name():
 
 def test_the_vllm_strategy_is_chosen_once_from_the_release_and_the_groups():
     from kvoffload_hal import vllm_compat
-    from kvoffload_hal.capabilities import LoadRecovery
 
     newer = vllm_compat.REPORTS_FAILED_RECVING and vllm_compat.STEPS_FOR_PUSH_WORK
     one, two = _caps(1).vllm, _caps(2).vllm
@@ -81,8 +81,6 @@ def test_the_vllm_strategy_is_chosen_once_from_the_release_and_the_groups():
 
 
 def test_failed_loads_go_back_to_the_scheduler_side_only_where_they_are_sent_again():
-    from kvoffload_hal.capabilities import LoadRecovery
-
     two = _caps(2).vllm
     sent, recomputed = [], []
     two.on_failed_loads({"r"}, sent.append, recomputed.append)
