@@ -6,4 +6,5 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 for folder in (ROOT / "tools" / "gpu", ROOT / "benchmarks"):
-    sys.path.insert(0, str(folder))
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))  # after everything else: shadows nothing

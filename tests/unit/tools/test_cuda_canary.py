@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 TESTS = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(TESTS / "unit" / "backends" / "cuda"), str(TESTS / "e2e" / "singlecard")]
+for folder in (TESTS / "unit" / "backends" / "cuda", TESTS / "e2e" / "singlecard"):
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))  # after everything else: shadows nothing
 
 from corrupting_cuda_backend import CorruptingCudaBackend  # noqa: E402
 from cuda_fake import FAKE_SOURCE, VARIANTS, FakeDriver, flash_attn_rig  # noqa: E402
