@@ -43,10 +43,13 @@ STEPS = ("preflight", "e2e", "qa")
 #: The engine runs on CUDA with the CUDA backend.
 GPU_ENV = {"VLLM_TARGET_DEVICE": "cuda", "KVOFFLOAD_HAL_BACKEND": "cuda", "HF_HUB_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-#: With FlashAttention 3 (the build the bundle keeps) and batch-invariant kernels: a
-#: prompt computed whole and one computed after a cached prefix give the same logits,
-#: as on the CPU platform. A value set in the caller's environment stands.
-GPU_TUNING = {"VLLM_FLASH_ATTN_VERSION": "3", "VLLM_BATCH_INVARIANT": "1"}
+#: Per step, where the caller's environment does not set them: FlashAttention 3 (the
+#: build the bundle keeps); batch-invariant kernels for the accuracy tests (a prompt
+#: computed whole and one computed after a cached prefix give the same logits, as on
+#: the CPU platform), vLLM's default kernels for the benchmark.
+GPU_TUNING = {"VLLM_FLASH_ATTN_VERSION": "3"}
+STEP_TUNING = {"preflight": {}, "e2e": {"VLLM_BATCH_INVARIANT": "1"},
+               "qa": {"VLLM_BATCH_INVARIANT": "0"}}
 #: The baseline, then the CUDA backend eager (``accelerator``) and lazy, and the
 #: corrupting control; ``eager`` would repeat ``accelerator`` with the variable set.
 E2E_TESTS = ["tests/e2e/singlecard/test_accuracy.py", "-k", "lazy or accelerator or canary"]
@@ -106,20 +109,21 @@ def install_tree(root: Path, stash: Path) -> Path:
 def step_commands(site: Path, src: Path, out: Path, qa_args: list[str],
                   own: Path | None = None) -> dict:
     """Each step's command line, working directory and environment additions."""
-    env = {key: os.environ.get(key, value) for key, value in GPU_TUNING.items()}
-    env.update(GPU_ENV)
     path = [str(site), str(src / "tests"), str(src / "benchmarks")]
-    env["PYTHONPATH"] = os.pathsep.join(([str(own)] if own else []) + path)
     py = sys.executable
-    return {
-        "preflight": dict(cmd=[py, str(src / "tools/gpu/preflight.py"), str(site)],
-                          cwd=str(src), env=env),
-        "e2e": dict(cmd=[py, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                         f"--junitxml={out / 'e2e-junit.xml'}", *E2E_TESTS],
-                    cwd=str(src), env=env),
-        "qa": dict(cmd=[py, str(src / "benchmarks/gpu_long_doc_qa.py"),
-                        "--out-dir", str(out), *qa_args], cwd=str(src), env=env),
+    commands = {
+        "preflight": [py, str(src / "tools/gpu/preflight.py"), str(site)],
+        "e2e": [py, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                f"--junitxml={out / 'e2e-junit.xml'}", *E2E_TESTS],
+        "qa": [py, str(src / "benchmarks/gpu_long_doc_qa.py"), "--out-dir", str(out), *qa_args],
     }
+    steps = {}
+    for name, cmd in commands.items():
+        tuning = {**GPU_TUNING, **STEP_TUNING[name]}
+        env = {key: os.environ.get(key, value) for key, value in tuning.items()}
+        env.update(GPU_ENV, PYTHONPATH=os.pathsep.join(([str(own)] if own else []) + path))
+        steps[name] = dict(cmd=cmd, cwd=str(src), env=env)
+    return steps
 
 
 def run_step(name: str, spec: dict, out: Path, limit_s: float | None = None) -> dict:

@@ -42,7 +42,7 @@ def _transfers(tmp_path, manifest, n=2):
 
 
 def test_parts_arrive_in_transfers_then_install_and_plan(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")  # the caller's choice stands
+    monkeypatch.setenv("VLLM_FLASH_ATTN_VERSION", "2")  # the caller's choice stands
     manifest = _bundle(tmp_path)
     stash, out = tmp_path / "stash", tmp_path / "out"
     first, second = _transfers(tmp_path, manifest)
@@ -62,7 +62,8 @@ def test_parts_arrive_in_transfers_then_install_and_plan(tmp_path, monkeypatch):
     env = steps["e2e"]["env"]
     assert env["KVOFFLOAD_HAL_BACKEND"] == "cuda" and env["VLLM_TARGET_DEVICE"] == "cuda"
     assert env["PYTHONPATH"].split(":")[0] == str(site)
-    assert env["VLLM_BATCH_INVARIANT"] == "0" and env["VLLM_FLASH_ATTN_VERSION"] == "3"
+    assert env["VLLM_BATCH_INVARIANT"] == "1" and env["VLLM_FLASH_ATTN_VERSION"] == "2"
+    assert steps["qa"]["env"]["VLLM_BATCH_INVARIANT"] == "0"  # served as vLLM serves
     assert "tests/e2e/singlecard/test_accuracy.py" in steps["e2e"]["cmd"]
     assert steps["qa"]["cmd"][-2:] == ["--num-documents", "8"]
     assert str(out) in steps["qa"]["cmd"]
