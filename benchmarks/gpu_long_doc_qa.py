@@ -19,7 +19,7 @@ count: the measured pass's wall time, TTFT mean/p50/p99, prompt tokens served fr
 a cache, the bytes each connector copied in both passes with the bandwidth its
 copies saw (bytes over the seconds its copies took), and
 whether the engine generated the same tokens as ``prefix-cache`` (a digest).
-Writes ``gpu_long_doc_qa.{md,json}`` to ``--out-dir``.
+Writes ``gpu_long_doc_qa.{md,json,png}`` to ``--out-dir``.
 
     python benchmarks/gpu_long_doc_qa.py --out-dir DIR [--shape llama-3.2-1b]
         [--num-documents 8 16 32] [--document-length 2048] [--configs ...]
@@ -34,9 +34,11 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from long_doc_qa import CPU_DOCS, DEVICE_DOCS, OUTPUT_TOKENS, TOKEN_ID_FLOOR, _count_steps
+from long_doc_qa_report import write_plot
 
 from kvoffload_hal.demo.inprocess import EngineSpec, offload_transfer_config
 from kvoffload_hal.demo.tiny_model import TinyModelSpec
@@ -294,6 +296,15 @@ def main(argv: list[str] | None = None) -> None:
         f"# Long-document QA on a GPU\n\n{setup}.\n\n{table}\n")
     (args.out_dir / "gpu_long_doc_qa.json").write_text(
         json.dumps(dict(setup=setup, shape=asdict(shape), rows=rows), indent=1) + "\n")
+    plot(rows, args.out_dir / "gpu_long_doc_qa.png", f"long-document QA on a GPU; {setup}")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """``long_doc_qa``'s plot (measured pass, TTFT mean) of these rows."""
+    ns = sorted({r["num_docs"] for r in rows})
+    results = [SimpleNamespace(**{k: r[k] for k in ("num_docs", "config", "wall_s",
+                                                     "ttft_mean")}) for r in rows]
+    write_plot(results, ns, path, title)
 
 
 if __name__ == "__main__":

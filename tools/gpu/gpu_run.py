@@ -113,8 +113,7 @@ def step_commands(site: Path, src: Path, out: Path, qa_args: list[str],
     py = sys.executable
     commands = {
         "preflight": [py, str(src / "tools/gpu/preflight.py"), str(site)],
-        "e2e": [py, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                f"--junitxml={out / 'e2e-junit.xml'}", *E2E_TESTS],
+        "e2e": [py, "-m", "pytest", "-x", "-q", "-rA", "-p", "no:cacheprovider", *E2E_TESTS],
         "qa": [py, str(src / "benchmarks/gpu_long_doc_qa.py"), "--out-dir", str(out), *qa_args],
     }
     steps = {}

@@ -80,3 +80,11 @@ def test_each_count_has_documents_of_its_own():
     a, b = gpu_qa.documents(4, 64, 1000, 0), gpu_qa.documents(4, 64, 1000, 1)
     assert a == gpu_qa.documents(4, 64, 1000, 0) and not set(map(tuple, a)) & set(map(tuple, b))
     assert all(2 <= t < 1000 for d in a for t in d)
+
+
+def test_the_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(num_docs=n, config=c, wall_s=1.0 + k, ttft_mean=0.1)
+            for n in (8, 16) for k, c in enumerate(gpu_qa.CONFIGS)]
+    gpu_qa.plot(rows, tmp_path / "p.png", "title")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
