@@ -7,7 +7,8 @@ Steps (each output under ``--out``, which .gitignore keeps out of git):
 
 1. download vLLM 0.23.0's GPU wheel (cached in ``download/``);
 2. repack it without the kernels the run never loads (``bundle_repack.py``);
-3. build this project's wheel with a Python 3.12 (its CPU copy extension is cp312);
+3. build this project's wheel with a Python 3.12 (its CPU copy extension is cp312) from
+   a commit (``--ref``, default HEAD: not the working tree's uncommitted edits);
 4. resolve with pip, for CPython 3.12 on manylinux x86_64, vLLM's requirements on
    needed distributions (metadata only, the machine's known versions as
    constraints), then download, at the resolved versions, the needed distributions
@@ -23,6 +24,7 @@ Steps (each output under ``--out``, which .gitignore keeps out of git):
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shutil
 import subprocess
@@ -81,12 +83,27 @@ def fetch_vllm(out: Path, flash_attn: str, wheels: Path) -> Path:
     return dest
 
 
-def build_own_wheel(python312: str, wheels: Path) -> Path:
+def export_tree(ref: str, dest: Path) -> str:
+    """The files of commit ``ref`` under ``dest`` (what the bundle is built from, not
+    the working tree's uncommitted edits); returns the commit's sha."""
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", sha], check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    (dest / "SOURCE_COMMIT").write_text(sha + "\n")
+    return sha
+
+
+def build_own_wheel(python312: str, tree: Path, wheels: Path) -> Path:
     """This project's wheel for CPython 3.12 (its optional C extension built for it)."""
     tmp = wheels.parent / "own_wheel"
     shutil.rmtree(tmp, ignore_errors=True)
     subprocess.run([python312, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp),
-                    str(ROOT)], check=True)
+                    str(tree)], check=True)
     (built,) = tmp.glob("kvoffload_hal-*.whl")
     return Path(shutil.copy2(built, wheels / built.name))
 
@@ -137,15 +154,11 @@ def resolve_dependencies(wheels: Path, needed: list[str], machine: dict) -> list
     return ship
 
 
-def pack_sources(dest: Path) -> Path:
+def pack_sources(tree: Path, dest: Path) -> Path:
     path = dest / "src.tar.gz"
-
-    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        return None if "__pycache__" in info.name else info
-
     with tarfile.open(path, "w:gz") as tar:
-        for name in SOURCES:
-            tar.add(ROOT / name, arcname=name, filter=keep)
+        for name in (*SOURCES, "SOURCE_COMMIT"):
+            tar.add(tree / name, arcname=name)
     return path
 
 
@@ -165,6 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--part-mib", type=int, default=56,
                         help="largest part, MiB (a transfer carries 64 MiB with the tree)")
     parser.add_argument("--python312", default=None, help="a CPython 3.12 to build our wheel")
+    parser.add_argument("--ref", default="HEAD",
+                        help="the commit whose package, tests and benchmarks travel")
     return parser.parse_args(argv)
 
 
@@ -173,14 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     payload = args.out / "payload"
     shutil.rmtree(payload, ignore_errors=True)
     payload.mkdir(parents=True)
+    tree = args.out / "source"
+    sha = export_tree(args.ref, tree)
     fetch_vllm(args.out, args.flash_attn, payload)
-    build_own_wheel(args.python312 or find_python312(), payload)
+    build_own_wheel(args.python312 or find_python312(), tree, payload)
     needed, machine = bundle_deps.load_needed(), bundle_deps.load_machine()
     shipped = resolve_dependencies(payload, needed, machine)
     report = check_bundle.check(payload, needed, machine)
-    pack_sources(payload)
+    pack_sources(tree, payload)
     manifest = bundle_parts.split(payload, args.out / "parts", args.part_mib << 20)
-    report.update(shipped=shipped, flash_attn=args.flash_attn,
+    report.update(source_commit=sha, shipped=shipped, flash_attn=args.flash_attn,
                   payload_bytes=sum(f["size"] for f in manifest["files"]),
                   parts=[(p["name"], p["size"]) for p in manifest["parts"]])
     (args.out / "report.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -153,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     summary: dict = {"machine": machine_facts()}
     site, src = install(args.stash)
+    commit = src / "SOURCE_COMMIT"
+    summary["bundle_commit"] = commit.read_text().strip() if commit.is_file() else None
     own = None
     if args.from_tree is not None:  # a fix made since the bundle was built
         src, own = args.from_tree, install_tree(args.from_tree, args.stash)

@@ -22,8 +22,10 @@ def _bundle(tmp_path):
     tools = tmp_path / "tools" / "gpu"
     tools.mkdir(parents=True)
     (tools / "preflight.py").write_text("print('ok')\n")
+    (tmp_path / "SOURCE_COMMIT").write_text("abc123\n")
     with tarfile.open(payload / "src.tar.gz", "w:gz") as tar:
         tar.add(tmp_path / "tools", arcname="tools")
+        tar.add(tmp_path / "SOURCE_COMMIT", arcname="SOURCE_COMMIT")
     manifest = bundle_parts.split(payload, tmp_path / "parts", part_bytes=700)
     assert len(manifest["parts"]) > 3
     return manifest
@@ -57,7 +59,9 @@ def test_parts_arrive_in_transfers_then_install_and_plan(tmp_path, monkeypatch):
                          env={"PYTHONPATH": str(site)}, capture_output=True, text=True)
     assert got.stdout.strip() == "2000", got.stderr
     assert (stash / "src" / "tools/gpu/preflight.py").is_file()
-    steps = {s["step"]: s for s in json.loads((out / "steps.json").read_text())["steps"]}
+    summary = json.loads((out / "steps.json").read_text())
+    assert summary["bundle_commit"] == "abc123"
+    steps = {s["step"]: s for s in summary["steps"]}
     assert list(steps) == ["preflight", "e2e", "qa"]
     env = steps["e2e"]["env"]
     assert env["KVOFFLOAD_HAL_BACKEND"] == "cuda" and env["VLLM_TARGET_DEVICE"] == "cuda"
