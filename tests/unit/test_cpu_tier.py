@@ -78,3 +78,28 @@ def test_publish_and_eviction_events_say_cpu(tier):
     assert len(stored) == 2 and len(removed) >= 1
     assert {e.medium for e in stored + removed} == {"CPU"}
     assert [e.block_size for e in stored] == [BS, BS]
+
+
+def test_with_an_eagle_drafter_a_hit_drops_its_last_block(make_engine, tiny_model_dir,
+                                                          tiny_eagle_dir):
+    """vLLM drops the last block of a device prefix-cache hit for drafters fed the
+    target's hidden states (that block's draft KV was computed with the token after
+    it); the CPU tier's hits, looked up by its own coordinator, follow the same rule."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+
+    engine = make_engine(cpu_blocks=8)
+    eagle_config = EngineArgs(
+        model=tiny_model_dir, block_size=BS, enable_prefix_caching=True, enforce_eager=True,
+        max_model_len=2048, speculative_config={
+            "method": "eagle", "model": tiny_eagle_dir, "num_speculative_tokens": 1},
+    ).create_engine_config()
+    cpu = CpuTier(eagle_config, engine.kv_cache_config, 8, BS, BS)
+    req = engine.add("req", [1 + i % 50 for i in range(3 * BS + 1)])
+    blocks = cpu.allocate(3)
+    cpu.publish(blocks, [make_block_hash_with_group_id(h, 0) for h in req.block_hashes[:3]])
+    cpu.unpin(blocks)
+    hit, tokens = cpu.find_hit(req.block_hashes, 0, 10_000)
+    assert tokens == 2 * BS and list(hit[0]) == blocks[:2]
