@@ -92,7 +92,31 @@ class FailingStoresBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
+class FencingCpuBackend(CpuCopyBackend):
+    """Records, in order, each submission and the fence it waits for: its own
+    (``job-fence``, taken at submission) or the forward pass's end (``forward-end``,
+    set by ``forward_done`` and standing for every job until ``step_done``)."""
+
+    name = "fencing-cpu"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple] = []
+
+    def submit(self, job):
+        self.events.append(("submit", job.direction.value, job.job_id))
+        return super().submit(job)
+
+    def _prepare(self, job):
+        self.events.append(("job-fence", job.direction.value, job.job_id))
+        return None
+
+    def _fence_copy_streams(self):
+        self.events.append(("forward-end",))
+
+
 for _cls in (SlowCpuBackend, BandwidthBoundCpuBackend, GatedCpuBackend, CountingCpuBackend,
-             FailingLoadsBackend, AsyncFailingLoadsBackend, FailingStoresBackend):
+             FailingLoadsBackend, AsyncFailingLoadsBackend, FailingStoresBackend,
+             FencingCpuBackend):
     register_backend(_cls.name, f"{__name__}:{_cls.__name__}",
                      synchronous_compute=_cls.synchronous_compute)

@@ -111,3 +111,29 @@ def test_the_workers_shutdown_gives_the_last_writes_the_flush_bound(make_engine,
     on_disk = sorted(f[:-len(".kvb")] for _, _, files in os.walk(tier.root) for f in files
                      if f.endswith((".kvb", ".tmp")))
     assert on_disk == sorted(submitted)
+
+
+def test_copies_launched_after_finish_forward_are_ordered_after_the_forward_pass(
+        make_engine):
+    """vLLM 0.33 calls the connector's ``finish_forward`` once the step's forward pass
+    is enqueued: the backend's forward-end fence is set from there, and the store the
+    step launches next waits on it instead of a fence of its own. The next step's
+    copies, without the call, fence one by one again."""
+    engine = make_engine(backend="fencing-cpu")
+    connector, worker = engine.worker, engine.worker.worker
+    kv = engine.kv_storage.view(torch.uint8).view(engine.kv_storage.shape[0], -1)
+    host = worker.host.chunks[0].view(worker.num_cpu_blocks, -1)
+    kv[3].fill_(0x6B)
+    kv[4].fill_(0x2E)
+    backend = worker.backend
+    for job, forward_end in ((0, True), (1, False)):
+        connector.bind_connector_metadata(OffloadMetadata(store=StoreSpec(job, [3 + job],
+                                                                          [7 + job])))
+        if forward_end:
+            connector.finish_forward()  # as vLLM's model runner, after the forward pass
+        worker.get_finished(set())
+        connector.clear_connector_metadata()
+    assert backend.events == [("forward-end",), ("submit", "store", 0),
+                              ("submit", "store", 1), ("job-fence", "store", 1)]
+    assert worker.build_connector_worker_meta().stores == {0: JobReport(), 1: JobReport()}
+    assert torch.equal(host[7], kv[3]) and torch.equal(host[8], kv[4])
