@@ -135,7 +135,10 @@ def balance_checks(probe: dict, metrics: dict, files_left: int | None) -> list[C
 
 
 def fault_checks(faults: list) -> list[Check]:
-    out = []
+    reread = [f for f in faults if "read again" in f.detail]
+    out = [Check("a damaged or removed prompt read again: the same tokens",
+                 f"{sum(1 for f in reread if 'the same tokens' in f.detail)} of {len(reread)}",
+                 "all", all("the same tokens" in f.detail for f in reread))]
     for kind in sorted({f.name for f in faults}):
         mine = [f for f in faults if f.name == kind]
         seen = sum(1 for f in mine if any(f.after.get(k, 0) > f.before.get(k, 0)

@@ -26,11 +26,12 @@ class SoakConfig:
     tiers: str = "disk"  # "disk" or "mooncake" (one secondary tier at a time, see above)
     device_blocks: int = 64  # ~5 long-document requests
     cpu_blocks: int = 128
-    disk_blocks: int = 320
-    tmpfs_mib: int = 32  # the disk tier's filesystem; a filler file makes it ENOSPC
+    disk_blocks: int = 640
+    tmpfs_mib: int = 64  # the disk tier's filesystem; a filler file makes it ENOSPC
     warmup_s: float = 30.0
     fault_every_s: tuple[float, float] = (15.0, 40.0)
     fault_hold_s: float = 8.0
+    reread_after_s: float = 10.0  # a damaged (removed) prompt is asked again after
     request_deadline_s: float = 120.0
     sample_every_s: float = 2.0
     reference_share: float = 0.2  # of completed requests, replayed on the reference

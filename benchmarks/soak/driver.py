@@ -46,8 +46,7 @@ async def load(cfg: SoakConfig, served: Server, master, names: list[str]):
     client = served.async_client()
     deadline = cfg.request_deadline_s
 
-    async def run_burst(n: int) -> None:
-        await workload.burst(client, served.model, rng, n, outcomes, deadline)
+    ops = workload.FaultOps(client, served.model, rng, outcomes, deadline)
 
     async def observe() -> dict:
         return await sampler.observe(cfg, served)
@@ -57,7 +56,7 @@ async def load(cfg: SoakConfig, served: Server, master, names: list[str]):
             *(workload.client_loop(client, served.model, random.Random(cfg.seed * 1000 + i),
                                    stop_at, outcomes, deadline) for i in range(cfg.clients)),
             sampler.sample_loop(cfg, served, outcomes, stop_at, rows),
-            fault_loop(cfg, names, rng, stop_at, master, run_burst, observe, faults))
+            fault_loop(cfg, names, rng, stop_at, master, ops, observe, faults))
         await asyncio.sleep(5)  # the last fault's effects reach the counters
         if faults:
             faults[-1].after = await observe()
@@ -130,7 +129,8 @@ def figures_of(cfg: SoakConfig, rows, outcomes, faults, metrics, seconds: float)
     p50, p99, steps = checks.hook_stats(checks.after_warmup(rows, cfg))
     first, last = (checks.after_warmup(rows, cfg) or rows or [{}])[0], rows[-1] if rows else {}
     kinds = {k: sum(1 for o in outcomes if o.kind == k) for k in ("system", "document",
-                                                                  "oneoff", "burst")}
+                                                                  "oneoff", "burst",
+                                                                  "fault-probe")}
     return {
         "run": f"{cfg.minutes:g} min of load, {seconds / 60:.1f} min in all, "
                f"{cfg.clients} streaming clients, tiers: CPU + {cfg.tiers}",

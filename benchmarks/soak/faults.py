@@ -3,11 +3,15 @@
 ``enospc``: a filler file takes all that is left of the disk tier's tmpfs for a
 while (writes fail with ENOSPC), then goes. ``damage``: bytes in the middle of a
 share of the block files are overwritten. ``remove``: a share of the block files
-is deleted under the server. ``burst``: many long one-off requests at once, more
-blocks than the device and the CPU tier hold. ``mooncake_freeze``: the master
-stopped (SIGSTOP), then continued; ``mooncake_kill``: killed, then restarted
-(a restarted master has none of the old objects). Slow disk reads are not
-injected: that needs a throttled block device or a FUSE layer.
+is deleted under the server. A damaged or removed block shows only when it is
+read, and most disk blocks are never read again, so these two first ask a new
+long prompt, damage (remove) its block files too (those written since), and ask
+it again once the device and the CPU tier forgot it: its tokens must not change.
+``burst``: many long one-off requests at once, more blocks than the device and
+the CPU tier hold. ``mooncake_freeze``: the master stopped (SIGSTOP), then
+continued; ``mooncake_kill``: killed, then restarted (a restarted master has
+none of the old objects). Slow disk reads are not injected: that needs a
+throttled block device or a FUSE layer.
 """
 
 from __future__ import annotations
@@ -71,9 +75,21 @@ def fill(mount: Path) -> int:
     return written
 
 
-def damage(root: Path, rng: random.Random, share: float) -> int:
+def chosen(root: Path, rng: random.Random, share: float, since: float) -> list[Path]:
+    """A share of the block files, and every one written since ``since`` (wall clock)."""
     files = block_files(root)
-    hit = rng.sample(files, int(len(files) * share)) if files else []
+    fresh = [p for p in files if _mtime(p) >= since]
+    return list({*fresh, *(rng.sample(files, int(len(files) * share)) if files else [])})
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def damage(hit: list[Path], rng: random.Random) -> int:
     for path in hit:
         try:
             with open(path, "r+b") as f:
@@ -85,9 +101,7 @@ def damage(root: Path, rng: random.Random, share: float) -> int:
     return len(hit)
 
 
-def remove(root: Path, rng: random.Random, share: float) -> int:
-    files = block_files(root)
-    hit = rng.sample(files, int(len(files) * share)) if files else []
+def remove(hit: list[Path]) -> int:
     for path in hit:
         try:
             path.unlink()
@@ -96,7 +110,22 @@ def remove(root: Path, rng: random.Random, share: float) -> int:
     return len(hit)
 
 
-async def inject(name: str, cfg: SoakConfig, rng: random.Random, master, run_burst) -> str:
+async def on_a_prompt_read_again(cfg: SoakConfig, rng: random.Random, ops, name: str) -> str:
+    """``damage`` or ``remove``, with a prompt whose blocks are read from the disk after."""
+    since = time.time() - 1
+    prompt = ops.new_prompt()
+    first = await ops.ask(prompt)
+    await asyncio.sleep(2)  # its blocks reach the disk
+    hit = chosen(cfg.disk_path, rng, 0.3, since)
+    n = damage(hit, rng) if name == "damage" else remove(hit)
+    await asyncio.sleep(cfg.reread_after_s)  # the device and the CPU tier forget it
+    again = await ops.ask(prompt)
+    same = "the same" if again.tokens == first.tokens else "OTHER"
+    return (f"{n} block files {'overwritten' if name == 'damage' else 'deleted'}; a prompt "
+            f"read again after {cfg.reread_after_s:g} s: {same} tokens")
+
+
+async def inject(name: str, cfg: SoakConfig, rng: random.Random, master, ops) -> str:
     """Runs one fault to its end; what it did, in words."""
     hold = cfg.fault_hold_s
     if name == "enospc":
@@ -104,13 +133,11 @@ async def inject(name: str, cfg: SoakConfig, rng: random.Random, master, run_bur
         await asyncio.sleep(hold)
         (cfg.mount_point / FILLER).unlink()
         return f"filler of {n >> 20} MiB, held {hold:g} s"
-    if name == "damage":
-        return f"{damage(cfg.disk_path, rng, 0.4)} block files overwritten in the middle"
-    if name == "remove":
-        return f"{remove(cfg.disk_path, rng, 0.3)} block files deleted"
+    if name in ("damage", "remove"):
+        return await on_a_prompt_read_again(cfg, rng, ops, name)
     if name == "burst":
         n = cfg.clients * 4
-        await run_burst(n)
+        await ops.burst(n)
         return f"{n} requests of ~12 blocks at once"
     if name == "mooncake_freeze":
         master.freeze()
@@ -126,7 +153,7 @@ async def inject(name: str, cfg: SoakConfig, rng: random.Random, master, run_bur
 
 
 async def fault_loop(cfg: SoakConfig, names: list[str], rng: random.Random, stop_at: float,
-                     master, run_burst, observe, faults: list[Fault]) -> None:
+                     master, ops, observe, faults: list[Fault]) -> None:
     """Faults at random times until ``stop_at``; ``observe()`` is the evidence snapshot."""
     await asyncio.sleep(cfg.warmup_s)
     order: list[str] = []
@@ -144,5 +171,5 @@ async def fault_loop(cfg: SoakConfig, names: list[str], rng: random.Random, stop
         if faults:
             faults[-1].after = fault.before
         faults.append(fault)
-        fault.detail = await inject(fault.name, cfg, rng, master, run_burst)
+        fault.detail = await inject(fault.name, cfg, rng, master, ops)
         fault.ended = time.monotonic()

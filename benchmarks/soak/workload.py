@@ -96,3 +96,25 @@ async def burst(client, model: str, rng: random.Random, n: int, outcomes: list[O
                      time.monotonic()) for _ in range(n)]
     outcomes.extend(batch)
     await asyncio.gather(*(stream(client, model, o, None, deadline_s) for o in batch))
+
+
+@dataclass
+class FaultOps:
+    """What a fault asks of the clients: a burst, or one prompt of its own."""
+
+    client: object
+    model: str
+    rng: random.Random
+    outcomes: list[Outcome]
+    deadline_s: float
+
+    def new_prompt(self) -> str:
+        return synthetic_text(380, seed=self.rng.randrange(1 << 30))
+
+    async def ask(self, prompt: str, max_tokens: int = 16) -> Outcome:
+        out = Outcome("fault-probe", prompt, max_tokens, time.monotonic())
+        self.outcomes.append(out)
+        return await stream(self.client, self.model, out, None, self.deadline_s)
+
+    async def burst(self, n: int) -> None:
+        await burst(self.client, self.model, self.rng, n, self.outcomes, self.deadline_s)
