@@ -11,8 +11,8 @@ copy backend (registry data: no backend module is imported, no device is touched
   learns of a failed load: ``vllm.load_recovery``).
 * ``synchronous_compute``: the backend's forward pass has finished when the
   worker submits a step's copies (vLLM's CPU platform), as the HAL states.
-* ``sync_loads``: ``load_mode`` resolved; ``tier``: the name of the secondary
-  tier that runs (configured, and accepting this model), or None.
+* ``sync_loads``: ``load_mode`` resolved; ``tiers``: the names of the secondary
+  tiers that run (configured, and accepting this model), nearest first.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ class Capabilities:
     synchronous_compute: bool
     sync_loads: bool
     vllm: VllmStrategy
-    tier: str | None = None
+    tiers: tuple[str, ...] = ()
 
     @property
     def secondary_tier(self) -> bool:
         """A tier behind the CPU tier runs."""
-        return self.tier is not None
+        return bool(self.tiers)
 
     @property
     def load_recovery(self) -> LoadRecovery:
@@ -72,9 +72,9 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
         sync_loads = synchronous_compute and single_group
     else:
         sync_loads = config.load_mode == "sync"
-    runs = tier_runs(config.tier, kv_cache_config)
+    tiers = tuple(spec.name for spec in config.tiers if tier_runs(spec, kv_cache_config))
     return Capabilities(single_group, synchronous_compute, sync_loads,
-                        select_strategy(num_groups), tier=config.tier.name if runs else None)
+                        select_strategy(num_groups), tiers=tiers)
 
 
 def sleep_refusal(config: OffloadConfig) -> str | None:
@@ -86,9 +86,9 @@ def sleep_refusal(config: OffloadConfig) -> str | None:
     its objects, named by the weight files and not by the weights in memory, so
     blocks computed before a weight update would be served after it.
     """
-    tier = config.tier
-    if tier is not None and tier.shared_across_instances:
-        return (f"HALOffloadConnector refuses sleep mode with the {tier.display_name()}: "
+    shared = [tier for tier in config.tiers if tier.shared_across_instances]
+    if shared:
+        return (f"HALOffloadConnector refuses sleep mode with the {shared[0].display_name()}: "
                 f"other instances share its blocks, whose keys name the weight files, not "
                 f"the weights a sleep may replace; use the CPU or disk tier")
     return None

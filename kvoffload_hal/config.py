@@ -97,7 +97,7 @@ from kvoffload_hal.eviction.registry import (
 )
 from kvoffload_hal.host_memory import host_memory
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.tiers.registry import parse_tier, tier_keys
+from kvoffload_hal.tiers.registry import parse_tiers, tier_keys
 from kvoffload_hal.tiers.spec import CapacityClaim, TierSpec
 
 logger = init_logger(__name__)
@@ -136,7 +136,7 @@ class OffloadConfig:
     prefetch_blocks: int = 0  # 0: the share alone caps what prefetched requests hold
     shutdown_flush_timeout_s: float = DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S
     defer_loads_without_room: bool = False
-    tier: TierSpec | None = None  # the secondary tier behind the CPU tier, if any
+    tiers: tuple[TierSpec, ...] = ()  # the secondary tiers behind the CPU tier, nearest first
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> OffloadConfig:
@@ -167,7 +167,7 @@ class OffloadConfig:
                 "shutdown_flush_timeout_s", DEFAULT_SHUTDOWN_FLUSH_TIMEOUT_S)),
             defer_loads_without_room=boolean("defer_loads_without_room", extra.get(
                 "defer_loads_without_room", False)),
-            tier=parse_tier(extra),
+            tiers=parse_tiers(extra),
         )
 
     def cpu_bytes_per_rank(self, world_size: int) -> int:
@@ -187,8 +187,8 @@ def check_capacity(config: OffloadConfig, world_size: int, *, before_allocating:
     if before_allocating:
         wanted = [CapacityClaim("cpu_bytes_to_use", config.cpu_bytes_per_rank(ranks),
                                 host_memory("MemAvailable"), "of memory available")]
-        if config.tier is not None:
-            wanted += config.tier.capacity_claims(ranks)
+        for tier in config.tiers:
+            wanted += tier.capacity_claims(ranks)
     else:
         wanted = [CapacityClaim("cpu_bytes_to_use", config.cpu_bytes_per_rank(ranks),
                                 host_memory("MemTotal"), "of memory on this host")]

@@ -166,7 +166,7 @@ class HALOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         handshakes = [h for h in metadata.values() if isinstance(h, OffloadHandshake)]
         self._fit_cpu_tier_to_ranks(h.num_cpu_blocks for h in handshakes if h.num_cpu_blocks)
         for handshake in handshakes:  # a restarted tier's blocks: the first request finds them
-            self.scheduler.cascade.on_found(handshake.tier_found, handshake.tier_scans_done)
+            self.scheduler.tiers.on_found(handshake.tier_found, handshake.tier_scans_done)
 
     def _fit_cpu_tier_to_ranks(self, counts: Iterable[int]) -> None:
         """The scheduler sized its CPU tier from the first pipeline stage's layers

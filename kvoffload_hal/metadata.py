@@ -16,7 +16,7 @@ request): :class:`OffloadHandshake`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -83,7 +83,7 @@ class OffloadMetadata(KVConnectorMetadata):
 
     load: LoadSpec | None = None
     store: StoreSpec | None = None
-    tier: TierJobs = TierJobs()
+    tiers: tuple[TierJobs, ...] = ()  # one per secondary tier, nearest first
     rounds: tuple[LoadSpec, ...] = ()  # staged hits' loads, after ``load`` in job order
     # A request was preempted: wait for every transfer before blocks are reused.
     need_flush: bool = False
@@ -115,15 +115,17 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     stores: dict[int, JobReport] = field(default_factory=dict)
     loads: dict[int, JobReport] = field(default_factory=dict)  # synchronous loads only
     rounds: dict[int, JobReport] = field(default_factory=dict)  # staged rounds but the last
-    tier: dict[int, JobReport] = field(default_factory=dict)
+    # Secondary tiers' jobs: (the tier's place in the chain, its job id) -> report.
+    tier: dict[tuple[int, int], JobReport] = field(default_factory=dict)
     # Requests whose asynchronous load failed on this rank, for a model with several
     # KV cache groups: vLLM is told per request, or the load is sent again
     # (VllmStrategy.settle_load decides, VllmStrategy.on_failed_loads reads it).
     failed_loads: set[str] = field(default_factory=set)
-    # A restarted secondary tier: blocks found from before the restart (a key
-    # once per rank that holds it), and how many ranks finished looking.
-    tier_found: list[BlockKey] = field(default_factory=list)
-    tier_scans_done: int = 0
+    # A restarted secondary tier: blocks found from before the restart, (its place in
+    # the chain, key) once per rank that holds it, and the places of the tiers whose
+    # listing a rank finished (once per rank).
+    tier_found: list[tuple[int, BlockKey]] = field(default_factory=list)
+    tier_scans_done: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.loads or self.rounds or self.tier or self.failed_loads
@@ -151,15 +153,15 @@ class OffloadHandshake(KVConnectorHandshakeMetadata):
       hands out a block id the smallest of them lacks;
     * the blocks a restarted tier kept from before the restart (as in
       :attr:`OffloadWorkerMetadata.tier_found`), so that the first request finds them,
-      and whether this rank finished looking (0 or 1; the rest then comes with steps).
+      and the tiers whose listing this rank finished (the rest then comes with steps).
     """
 
-    tier_found: list[BlockKey] = field(default_factory=list)
-    tier_scans_done: int = 0
+    tier_found: list[tuple[int, BlockKey]] = field(default_factory=list)
+    tier_scans_done: list[int] = field(default_factory=list)
     num_cpu_blocks: int = 0  # 0: not said
 
 
-def _merge(a: dict[int, JobReport], b: dict[int, JobReport]) -> dict[int, JobReport]:
+def _merge(a: dict[Any, JobReport], b: dict[Any, JobReport]) -> dict[Any, JobReport]:
     out = dict(a)
     for job, report in b.items():
         out[job] = out[job].merge(report) if job in out else report

@@ -48,7 +48,7 @@ class LoadRoom(RequestPart):
 
     def __init__(self, block_size: int, enabled: bool) -> None:
         self.block_size = block_size
-        self.enabled = enabled
+        self.enabled = self.active = enabled
         self.gpu_pool: BlockPool | None = None
         self._running: dict[str, Request] = {}  # allocated on the device, not finished
         self._deferred: dict[str, int] = {}  # request -> lookups deferred so far

@@ -3,9 +3,9 @@
 The CPU tier itself is :class:`~kvoffload_hal.scheduler.cpu_tier.CpuTier` (vLLM's own
 ``BlockPool`` and ``KVCacheCoordinator``), the choice of blocks to store is a
 :class:`~kvoffload_hal.scheduler.store_policy.StorePolicy`, and a secondary tier behind
-the CPU tier is a :class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade` (or the
-do-nothing :class:`~kvoffload_hal.scheduler.cascade.base.NullCascade`), built from the
-tier's spec by :mod:`kvoffload_hal.scheduler.cascade.build`. Loads and stores are
+the CPU tier is a :class:`~kvoffload_hal.scheduler.cascade.chain.TierChain` of them,
+nearest first (maybe empty), built from the tiers' specs by
+:mod:`kvoffload_hal.scheduler.cascade.build`. Loads and stores are
 :class:`~kvoffload_hal.scheduler.load_jobs.LoadJobs` and
 :class:`~kvoffload_hal.scheduler.store_jobs.StoreJobs`. Every block they borrow
 stays referenced until the copy is over:
@@ -32,19 +32,18 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from kvoffload_hal import vllm_compat
-from kvoffload_hal.capabilities import LoadRecovery, resolve_capabilities
+from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvoffload_hal.metrics import OffloadStats, StatsLedger
 from kvoffload_hal.scheduler.admission import LoadRoom
-from kvoffload_hal.scheduler.cascade.build import build_cascade
+from kvoffload_hal.scheduler.cascade.build import build_chain
 from kvoffload_hal.scheduler.cascade.prefetch import build_prefetcher
 from kvoffload_hal.scheduler.cascade.staged import StagedHits
 from kvoffload_hal.scheduler.cpu_tier import CpuTier
 from kvoffload_hal.scheduler.load_jobs import LoadJobs
-from kvoffload_hal.scheduler.parts import RequestPart
+from kvoffload_hal.scheduler.parts import Parts
 from kvoffload_hal.scheduler.room import CpuRoom
 from kvoffload_hal.scheduler.store_jobs import StoreJobs
 from kvoffload_hal.scheduler.store_policy import (
@@ -85,26 +84,27 @@ class OffloadScheduler:
         self.policy = _make_policy(config, kv_cache_config, vllm_config, self.cpu)
         # Who takes the CPU tier's free blocks first: scheduler/room.py.
         self.cpu_room = CpuRoom(self.cpu)
-        self.cascade = build_cascade(config.tier, self.caps.secondary_tier, kv_cache_config,
-                                     self.cpu, self.world_size, self.stats, self.cpu_room)
-        self.stores = StoreJobs(self.cpu, self.cascade, self.stats, self.world_size,
+        self.tiers = build_chain(config.tiers, self.caps.tiers, kv_cache_config, self.cpu,
+                                 self.world_size, self.stats, self.cpu_room)
+        self.stores = StoreJobs(self.cpu, self.tiers, self.stats, self.world_size,
                                 self.cpu_room)
+        notice = self.caps.vllm.recovery_notice()
+        if notice is not None:
+            logger.info(notice)
         self.loads = LoadJobs(self.cpu, self.stats, self.world_size, self.caps.sync_loads,
-                              recovery=self._say_load_recovery())
-        self.staged = StagedHits(self.cascade, self.loads, self.cpu, self.stats, block_size,
-                                 check_first=self.caps.load_recovery is LoadRecovery.RETRY)
-        self.cascade.bind_copies(self._copies_in_flight)
-        self.prefetch = build_prefetcher(config, self.caps.secondary_tier, self.cpu,
-                                         self.cascade, block_size, self.stats)
+                              self.caps.vllm)
+        self.staged = StagedHits(self.tiers, self.loads, self.cpu, self.stats, block_size,
+                                 self.caps.vllm)
+        self.tiers.bind_copies(self._copies_in_flight)
+        self.prefetch = build_prefetcher(config, self.cpu, self.tiers, block_size, self.stats)
         self.room = LoadRoom(block_size, config.defer_loads_without_room
                              and len(kv_cache_config.kv_cache_groups) == 1)
         # Every event of a request's or a step's life goes to each part, in this order.
-        self._parts: tuple[RequestPart, ...] = (self.prefetch, self.loads, self.staged,
-                                                self.cascade, self.room)
+        self._parts = Parts((self.prefetch, self.loads, self.staged, self.tiers, self.room))
         self.gpu_pool: BlockPool | None = None
         # Requests answered with an asynchronous load, and those whose load landed
         # (vLLM < 0.32: see _lets_landed_loads_in).
-        self._track_landed = not vllm_compat.block_holders_first()
+        self._track_landed = self.caps.vllm.tracks_landed_loads()
         self._async_loads: dict[str, Request] = {}
         self._landed_loads: dict[str, Request] = {}
         logger.info(
@@ -113,19 +113,6 @@ class OffloadScheduler:
             "lazy" if isinstance(self.policy, LazyPolicy) else "eager",
             "sync" if self.caps.sync_loads else "async",
         )
-
-    def _say_load_recovery(self) -> LoadRecovery:
-        """Say once how a failed load is kept from being read, where it is not
-        vLLM's own per-block or per-request report (load_jobs.py)."""
-        recovery = self.caps.load_recovery
-        if recovery is LoadRecovery.RETRY:
-            logger.info("HALOffloadConnector: this vLLM takes failed KV loads per block for "
-                        "one KV cache group only (no KVConnectorOutput.failed_recving); for "
-                        "this model's %d groups, on a failed load %s. vLLM >= 0.32 "
-                        "recomputes instead; so does --disable-hybrid-kv-cache-manager for "
-                        "sliding-window models (one group)", len(self.cpu.group_block_sizes),
-                        recovery.value)
-        return recovery
 
     @property
     def totals(self) -> OffloadStats:
@@ -137,8 +124,8 @@ class OffloadScheduler:
         self.cpu.bind_device(gpu_pool)
         self.policy.bind(gpu_pool)
         self.stores.bind(gpu_pool)
-        for part in self._parts:
-            part.bind(gpu_pool)
+        for bind in self._parts.bind:
+            bind(gpu_pool)
 
     # --------------------------------------------------------------- loads
     def on_new_request(self, request: Request) -> None:
@@ -147,8 +134,8 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        for part in self._parts:
-            part.on_lookup(req_id)
+        for on_lookup in self._parts.on_lookup:
+            on_lookup(req_id)
         if self._landed_loads and self._lets_landed_loads_in():
             return None, False  # vLLM's scan goes on to the requests whose load landed
         if self.loads.in_flight(req_id):
@@ -178,7 +165,7 @@ class OffloadScheduler:
             if staged:
                 self._note_async(request)
                 return staged, True  # longer than the CPU tier's room: loaded in rounds
-            if self.cascade.lookup(
+            if self.tiers.lookup(
                     request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
                     (num_computed_tokens + max_hit_tokens) // self.block_size):
                 return None, False  # a promotion into the CPU tier is in flight: ask later
@@ -220,8 +207,8 @@ class OffloadScheduler:
         for req_id in scheduler_output.preempted_req_ids or ():
             self.policy.on_preempted(req_id)
             self.room.on_preempted(req_id)
-        for part in self._parts:
-            part.release_unallocated()
+        for release_unallocated in self._parts.release_unallocated:
+            release_unallocated()
         # The CPU room goes by scheduler/room.py's order, whichever asks first.
         self.staged.advance()
         picker = self.stores.picker()
@@ -230,7 +217,7 @@ class OffloadScheduler:
         self.prefetch.step()
         load = self.loads.take_job()
         return OffloadMetadata(load=load, store=self.stores.take_job(),
-                               tier=self.cascade.take_jobs(), rounds=self.staged.take_rounds(),
+                               tiers=self.tiers.take_jobs(), rounds=self.staged.take_rounds(),
                                need_flush=bool(scheduler_output.preempted_req_ids))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -242,10 +229,10 @@ class OffloadScheduler:
                 self.loads.on_report(job, report)  # staged rounds are load jobs too
             for job, report in meta.stores.items():
                 self.stores.on_report(job, report)
-            self.cascade.on_reports(meta.tier)
-            self.cascade.on_found(meta.tier_found, meta.tier_scans_done)
-        for part in self._parts:
-            part.on_transfer_results(output)
+            self.tiers.on_reports(meta.tier)
+            self.tiers.on_found(meta.tier_found, meta.tier_scans_done)
+        for on_transfer_results in self._parts.on_transfer_results:
+            on_transfer_results(output)
         for req_id in output.finished_recving or ():
             request = self._async_loads.pop(req_id, None)
             if request is not None:
@@ -260,7 +247,7 @@ class OffloadScheduler:
         self._landed_loads.pop(req_id, None)
         # Device blocks of stores are pinned by the store job, so they never
         # delay the request; a load in flight does.
-        copying = [part.request_finished(req_id) for part in self._parts]
+        copying = [finished(req_id) for finished in self._parts.request_finished]
         picker = self.stores.picker()
         self.policy.on_finished(request, block_ids, picker)
         self.stores.queue(picker)
@@ -271,8 +258,8 @@ class OffloadScheduler:
         """Forget every CPU prefix; copies in flight finish but are not published.
         Staged hits stop at the blocks already promoted and prefetches let go of what
         they hold (docs/design.md, "Resetting the cache")."""
-        for part in self._parts:
-            part.reset()
+        for reset in self._parts.reset:
+            reset()
         self.cpu.drop_all()
         self.stores.reset()
         self.policy.reset()
@@ -289,7 +276,7 @@ class OffloadScheduler:
         # tier has room for them (with none and no copy in flight, nothing changes).
         leftovers = self.policy.has_pending() and self.cpu.num_free_blocks() > 0
         return (leftovers or self.stores.has_pending()
-                or any(part.has_pending() for part in self._parts))
+                or any(has_pending() for has_pending in self._parts.has_pending))
 
     def has_pending_block_frees(self) -> bool:
         return self.stores.holds_last_references()
@@ -327,6 +314,6 @@ def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,
     if lazy:
         return LazyPolicy(window)
     # Dropped copies are stored again unless a tier behind holds them (write-through).
-    restore = config.device_copies != "keep" and config.tier is None
+    restore = config.device_copies != "keep" and not config.tiers
     return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups,
                        restore_window_blocks=window if restore else 0)

@@ -44,8 +44,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.utils.math_utils import cdiv
 
-from kvoffload_hal import vllm_compat
-from kvoffload_hal.capabilities import LoadFailedError, LoadRecovery
+from kvoffload_hal.capabilities import LoadFailedError
 from kvoffload_hal.metadata import JobReport, LoadSpec
 from kvoffload_hal.scheduler.cpu_tier import Hit, pin_ids, unpin_ids
 from kvoffload_hal.scheduler.jobs import JobBook
@@ -62,6 +61,7 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.vllm_strategy import VllmStrategy
 
 
 @dataclass
@@ -94,12 +94,12 @@ class _PendingHit(NamedTuple):
 
 class LoadJobs(RequestPart):
     def __init__(self, cpu: CpuTier, stats: StatsLedger, world_size: int,
-                 sync_loads: bool, recovery: LoadRecovery = LoadRecovery.BLOCKS) -> None:
-        """``recovery``: how vLLM learns of a failed load (see the module docstring)."""
+                 sync_loads: bool, vllm: VllmStrategy) -> None:
+        """``vllm``: what this vLLM does with a failed load (see the module docstring)."""
         self.cpu = cpu
         self.stats = stats
         self.sync_loads = sync_loads
-        self.recovery = recovery
+        self.vllm = vllm
         self._failed: set[str] = set()  # reported failed by some rank, not finished yet
         self.gpu_pool: BlockPool | None = None
         self._pending_hits: dict[str, _PendingHit] = {}
@@ -235,15 +235,16 @@ class LoadJobs(RequestPart):
     def on_failed_loads(self, failed_loads: set[str]) -> None:
         """Requests a rank reported failed in its metadata (a rank may report before the
         others finish)."""
-        if self.recovery is LoadRecovery.RETRY:
-            self._send_again(failed_loads)
-        else:
-            self._failed.update(r for r in failed_loads if r in self._loads)
+        self.vllm.on_failed_loads(failed_loads, self._send_again, self._note_failed)
+
+    def _note_failed(self, req_ids: set[str]) -> None:
+        """Failed on some rank: the load is over as failed once every rank reported it."""
+        self._failed.update(r for r in req_ids if r in self._loads)
 
     def on_transfer_results(self, output: KVConnectorOutput) -> None:
         """Asynchronous loads that ended, as vLLM collected them from the workers."""
         invalid = output.invalid_block_ids or set()
-        failed = vllm_compat.failed_recving(output)
+        failed = self.vllm.failed_recving(output)
         for req_id in output.finished_recving or ():
             load = self._loads.pop(req_id, None)
             if load is None:

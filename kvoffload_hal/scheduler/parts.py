@@ -1,9 +1,11 @@
 """The lifecycle every part of the scheduler side follows, called in one loop.
 
 Runs in the scheduler process. :class:`~kvoffload_hal.scheduler.core.OffloadScheduler`
-holds its parts (loads, staged hits, prefetch, the secondary tier's cascade) as a
-tuple of :class:`RequestPart` and tells each of them every event; a part overrides
-the hooks it needs. The order of the tuple is the order of the calls.
+holds its parts (loads, staged hits, prefetch, the chain of secondary tiers, the load
+room) as :class:`Parts` and tells each of them every event; a part overrides the hooks it
+needs. The order of the parts is the order of the calls. A part whose feature is off
+(``active`` false) and a hook a part does not override cost nothing per call: they are
+left out when the parts are built.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
 
 class RequestPart:
     """No-op defaults for each event of a request's and a step's life."""
+
+    active = True  # False: the part's feature is off, and none of its hooks is called
 
     def bind(self, gpu_pool: BlockPool) -> None:
         """The device's block pool, once, before the first step."""
@@ -41,3 +45,18 @@ class RequestPart:
     def has_pending(self) -> bool:
         """Work in flight or queued that needs the engine to keep stepping."""
         return False
+
+
+_HOOKS = ("bind", "on_lookup", "release_unallocated", "on_transfer_results",
+          "request_finished", "reset", "has_pending")
+
+
+class Parts:
+    """For each hook, the active parts' own implementations of it, in the parts' order."""
+
+    def __init__(self, parts: tuple[RequestPart, ...]) -> None:
+        active = [part for part in parts if part.active]
+        for hook in _HOOKS:
+            default = getattr(RequestPart, hook)
+            setattr(self, hook, tuple(getattr(part, hook) for part in active
+                                      if getattr(type(part), hook) is not default))

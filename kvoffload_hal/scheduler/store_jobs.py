@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.base import NullCascade
+    from kvoffload_hal.scheduler.cascade.chain import TierChain
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
 
 logger = init_logger(__name__)
@@ -47,11 +47,11 @@ class _Store:
 
 
 class StoreJobs:
-    def __init__(self, cpu: CpuTier, cascade: NullCascade, stats: StatsLedger,
+    def __init__(self, cpu: CpuTier, tiers: TierChain, stats: StatsLedger,
                  world_size: int, room: CpuRoom) -> None:
         """``room``: the scheduler's room broker."""
         self.cpu = cpu
-        self.cascade = cascade
+        self.tiers = tiers
         self.room = room
         self.stats = stats
         self.gpu_pool: BlockPool | None = None
@@ -154,7 +154,7 @@ class StoreJobs:
         elif not store.abandoned:
             self.cpu.publish(cpu_blocks, store.hashes, store.prompt_ends)
             self.stats.record_store(len(cpu_blocks))
-            self.cascade.on_published(cpu_blocks, store.hashes)
+            self.tiers.on_published(cpu_blocks, store.hashes)  # written through
         self._release(store)
 
     # --------------------------------------------------------------- misc

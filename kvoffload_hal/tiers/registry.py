@@ -7,8 +7,8 @@ at run time with :func:`register_tier`. Spec modules are imported when the
 configuration is read, so they import neither vLLM's engine nor a device
 runtime at module level (the halves do, when built).
 
-At most one secondary tier runs behind the CPU tier: a configuration that turns
-on two is refused, naming both switch keys.
+Several tiers run behind the CPU tier as a chain, nearest first
+(:func:`parse_tiers`; the ``tiers`` key names their order).
 """
 
 from __future__ import annotations
@@ -65,19 +65,49 @@ def tier_labels() -> dict[str, str]:
 
 
 def tier_keys() -> tuple[str, ...]:
-    """Every key some tier owns in ``kv_connector_extra_config``."""
-    return tuple(key for cls in spec_classes() for key in cls.keys)
+    """Every key of the tiers in ``kv_connector_extra_config``: their order, and each
+    tier's own."""
+    return (TIERS_KEY, *(key for cls in spec_classes() for key in cls.keys))
 
 
-def parse_tier(extra: dict[str, Any]) -> TierSpec | None:
-    """The secondary tier ``extra`` turns on, validated; None when it turns on none."""
+# The key that orders the tiers turned on, nearest first.
+TIERS_KEY = "tiers"
+
+
+def parse_tiers(extra: dict[str, Any]) -> tuple[TierSpec, ...]:
+    """The secondary tiers ``extra`` turns on, validated, nearest first (empty: none).
+
+    Each tier is turned on by its own keys. With several, ``tiers`` names their order;
+    without it, tiers that only this instance writes come before tiers shared across
+    instances (a local disk before a cluster pool), in the registry's order."""
     specs = [spec for cls in spec_classes() if (spec := cls.from_extra_config(extra))]
-    if len(specs) > 1:
-        a, b = specs[:2]
+    order = extra.get(TIERS_KEY)
+    if order is None:
+        return tuple(sorted(specs, key=lambda spec: spec.shared_across_instances))
+    by_name = {spec.name: spec for spec in specs}
+    expected = (f"a list of tier names, nearest first, each turned on by its own keys "
+                f"(known tiers: {', '.join(tier_targets())})")
+    if not isinstance(order, (list, tuple)) or not all(isinstance(n, str) for n in order):
+        raise ValueError(f"kv_connector_extra_config['{TIERS_KEY}'] = {order!r}: expected "
+                         f"{expected}")
+    for name in order:
+        if name not in by_name or list(order).count(name) > 1:
+            why = ("is named twice" if name in by_name else
+                   f"is not turned on (set '{_switch_key(name)}')" if name in tier_targets()
+                   else "is no known tier")
+            raise ValueError(f"kv_connector_extra_config['{TIERS_KEY}'] = {order!r}: "
+                             f"'{name}' {why}; expected {expected}")
+    left_out = [spec for spec in specs if spec.name not in order]
+    if left_out:
         raise ValueError(
-            f"kv_connector_extra_config sets both '{a.switch_key}' and '{b.switch_key}': "
-            f"expected one secondary tier (the {a.name} tier or the {b.name} tier), not both")
-    return specs[0] if specs else None
+            f"kv_connector_extra_config['{TIERS_KEY}'] = {order!r} leaves out the "
+            f"{left_out[0].name} tier, which '{left_out[0].switch_key}' turns on: name it "
+            f"in '{TIERS_KEY}', or remove its keys")
+    return tuple(by_name[name] for name in order)
+
+
+def _switch_key(name: str) -> str:
+    return spec_class(name, tier_targets()[name]).switch_key
 
 
 def why_tier_is_off(spec: TierSpec, kv_cache_config: Any) -> str | None:

@@ -54,9 +54,10 @@ from kvoffload_hal.metadata import (
 from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
 from kvoffload_hal.tiers.identity import kv_fingerprint, rank_in_replica
 from kvoffload_hal.tiers.registry import build_worker_half
-from kvoffload_hal.tiers.spec import NullTier, SecondaryTier, WorkerTierContext
+from kvoffload_hal.tiers.spec import SecondaryTier, WorkerTierContext
 from kvoffload_hal.worker.loads import LoadOutcomes
 from kvoffload_hal.worker.shutdown import shut_down
+from kvoffload_hal.worker.tiers import WorkerTiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,7 +78,7 @@ class _Unlaunched:
 
     load: LoadSpec | None = None
     store: StoreSpec | None = None
-    tier: TierJobs | None = None
+    tiers: tuple[TierJobs, ...] = ()  # one per secondary tier, nearest first
     rounds: tuple[LoadSpec, ...] = ()  # staged hits' rounds, launched after ``load``
 
 
@@ -94,7 +95,7 @@ class OffloadWorker:
         self.world_size = world_size
         self.rank = _rank()
         self.backend: DmaCopyBackend | None = None
-        self.tier: SecondaryTier = NullTier()
+        self.tiers = WorkerTiers()  # the secondary tiers, nearest first (worker/tiers.py)
         self.host: HostChunks | None = None  # the CPU tier's host memory
         self._kv_caches: dict | None = None  # as registered: described again on a restore
         self._asleep = False  # between unregister_kv_caches and restore_kv_caches
@@ -125,12 +126,15 @@ class OffloadWorker:
         self.backend, self._kv_caches = backend, kv_caches
         self._copy_path = CopyPathWatch(backend)
         if self.caps.secondary_tier:
-            self.tier = build_worker_half(self.config.tier, True, WorkerTierContext(
+            ctx = WorkerTierContext(
                 self.rank, self.world_size, self.host.chunks, self.host.region_views(),
                 kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks,
                                rank_in_replica(self.rank, self.world_size),
                                self.kv_cache_config),
-                vllm_compat.prefix_caching_hash_algo(self.vllm_config)))
+                vllm_compat.prefix_caching_hash_algo(self.vllm_config))
+            self.tiers = WorkerTiers([build_worker_half(spec, True, ctx)
+                                      for spec in self.config.tiers
+                                      if spec.name in self.caps.tiers])
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB in %d host allocation(s)) on the %r backend",
@@ -142,8 +146,13 @@ class OffloadWorker:
         """Once, before the first request: how many CPU blocks this rank holds, and
         every block a restarted tier kept (waiting at most :data:`FOUND_AT_START_WAIT_S`
         for it to list them), for the scheduler's index."""
-        found, done = self.tier.take_found_at_start(FOUND_AT_START_WAIT_S)
+        found, done = self.tiers.take_found_at_start(FOUND_AT_START_WAIT_S)
         return OffloadHandshake(found, done, num_cpu_blocks=self.num_cpu_blocks)
+
+    @property
+    def tier(self) -> SecondaryTier:
+        """The nearest secondary tier (a ``NullTier`` without one)."""
+        return self.tiers.nearest
 
     def unregister_kv_caches(self) -> None:
         """Before the KV cache is freed for sleep: no copy may touch it from now on."""
@@ -164,7 +173,7 @@ class OffloadWorker:
     def bind_connector_metadata(self, metadata: OffloadMetadata) -> None:
         if self.backend is not None:
             self.backend.step_done()  # a load before this step's forward fences on its own
-        self._unlaunched = _Unlaunched(metadata.load, metadata.store, metadata.tier,
+        self._unlaunched = _Unlaunched(metadata.load, metadata.store, metadata.tiers,
                                        metadata.rounds)
         self._release.update(metadata.release_requests)
 
@@ -219,11 +228,7 @@ class OffloadWorker:
             self._collect(self.backend.flush())  # nothing to overlap: report this step
         else:
             self._collect(self.backend.poll())
-        for result in self.tier.poll():
-            self._reports.tier[result.job_id] = JobReport(failed_keys=result.failed_keys)
-        found, scan_done = self.tier.take_found()
-        self._reports.tier_found += found
-        self._reports.tier_scans_done += scan_done
+        self.tiers.collect(self._reports)
         finished, failed = self.loads.take()
         return released, finished, failed
 
@@ -245,16 +250,8 @@ class OffloadWorker:
                                                 spec.gpu_blocks, tag=spec))
             else:
                 self.loads.on_result(spec, spec.job_id, True, self._reports)  # nothing to copy
-        if pending.tier is not None:
-            tier, pending.tier = pending.tier, None
-            if tier.spill is not None:
-                self.tier.submit_store(tier.spill.job_id, tier.spill.items)
-            if tier.promote is not None:
-                self.tier.submit_load(tier.promote.job_id, tier.promote.items)
-            if tier.evictions:
-                self.tier.evict(tier.evictions)
-            if tier.probe is not None:
-                self.tier.submit_probe(tier.probe.job_id, [k for k, _ in tier.probe.items])
+        tiers, pending.tiers = pending.tiers, ()
+        self.tiers.submit(tiers)
         return launched
 
     def _fail_asleep(self) -> None:
@@ -302,9 +299,9 @@ class OffloadWorker:
     def shutdown(self) -> None:
         """Stop the tier and the backend; free the host buffer once nothing can use it
         (:func:`~kvoffload_hal.worker.shutdown.shut_down`)."""
-        tier, backend, host = self.tier, self.backend, self.host
-        self.tier, self.backend, self.host = NullTier(), None, None
-        shut_down(tier, backend, host, self.config.shutdown_flush_timeout_s)
+        tiers, backend, host = self.tiers, self.backend, self.host
+        self.tiers, self.backend, self.host = WorkerTiers(), None, None
+        shut_down(tiers, backend, host, self.config.shutdown_flush_timeout_s)
 
     # ------------------------------------------------------------ helpers
     def _collect(self, results: list[JobResult]) -> None:

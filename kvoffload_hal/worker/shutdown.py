@@ -1,4 +1,4 @@
-"""Worker side, at the engine's exit: the tier and the backend stopped, the host buffer freed.
+"""Worker side, at the engine's exit: the tiers and the backend stopped, the host buffer freed.
 
 Runs in each worker process, once.
 """
@@ -12,7 +12,7 @@ from kvoffload_hal.logger import init_logger
 if TYPE_CHECKING:
     from kvoffload_hal.hal import DmaCopyBackend
     from kvoffload_hal.hal.host import HostChunks
-    from kvoffload_hal.tiers.spec import SecondaryTier
+    from kvoffload_hal.worker.tiers import WorkerTiers
 
 logger = init_logger(__name__)
 
@@ -24,16 +24,16 @@ SHUTDOWN_TIMEOUT_S = 10.0
 _BUSY_AT_SHUTDOWN: list[HostChunks] = []
 
 
-def shut_down(tier: SecondaryTier, backend: DmaCopyBackend | None, host: HostChunks | None,
+def shut_down(tiers: WorkerTiers, backend: DmaCopyBackend | None, host: HostChunks | None,
               flush_timeout_s: float) -> None:
-    """Stop ``tier`` and ``backend``, then free ``host``.
+    """Stop ``tiers`` and ``backend``, then free ``host``.
 
     Tier writes already submitted get ``flush_timeout_s`` to finish, and are dropped
     whole after it. A copy or a tier IO still running after :data:`SHUTDOWN_TIMEOUT_S`
     (a hung device or mount) would write into freed memory: the buffer is then kept
     until the process exits instead, with a warning.
     """
-    tier_idle = tier.shutdown(SHUTDOWN_TIMEOUT_S, flush_timeout_s)
+    tier_idle = tiers.shutdown(SHUTDOWN_TIMEOUT_S, flush_timeout_s)
     if backend is None:
         return
     backend_idle = backend.shutdown(SHUTDOWN_TIMEOUT_S)

@@ -20,8 +20,9 @@ class SecondRank:
         self.rounds_waiting: set[int] = set()
         self._build = engine.worker.build_connector_worker_meta
         engine.worker.build_connector_worker_meta = self._both_ranks
+        every_tier = list(range(len(engine.offload.tiers.tiers)))  # a fresh tier: all done
         engine.connector.set_xfer_handshake_metadata_pp_aware(
-            {(0, 1): OffloadHandshake(tier_scans_done=1)})
+            {(0, 1): OffloadHandshake(tier_scans_done=every_tier)})
 
     def _both_ranks(self) -> OffloadWorkerMetadata | None:
         mine = self._build() or OffloadWorkerMetadata()

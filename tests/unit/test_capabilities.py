@@ -47,13 +47,13 @@ def test_auto_loads_follow_the_backends_synchronous_compute():
 def test_the_disk_tier_serves_several_groups_of_one_block_size(tmp_path):
     disk = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20}
     one, two = _caps(1, **disk), _caps(2, **disk)
-    assert one.tier == "disk" and one.load_recovery is LoadRecovery.BLOCKS
+    assert one.tiers == ("disk",) and one.load_recovery is LoadRecovery.BLOCKS
     # One entry per (group, block); failed loads are reported per request.
-    assert two.tier == "disk" and two.load_recovery is not LoadRecovery.BLOCKS
+    assert two.tiers == ("disk",) and two.load_recovery is not LoadRecovery.BLOCKS
     config = OffloadConfig.from_extra_config(disk)
     mixed = resolve_capabilities(_groups(2, [16, 32]), config, backend="cpu")
-    assert mixed.tier is None
-    assert _caps(1).tier is None  # no disk_path
+    assert mixed.tiers == ()
+    assert _caps(1).tiers == ()  # no disk_path
 
 
 def test_a_missing_backend_fails_with_its_name():

@@ -85,13 +85,13 @@ def test_disk_keys_without_disk_path_are_errors():
             OffloadConfig.from_extra_config({key: value})
         assert str(e.value) == (f"kv_connector_extra_config['{key}'] is set but 'disk_path' "
                                 "is not: expected both for a disk tier")
-    assert not OffloadConfig.from_extra_config({"disk_o_direct": False}).tier
+    assert not OffloadConfig.from_extra_config({"disk_o_direct": False}).tiers
 
 
 def test_disk_path_expands_home_and_refuses_relative_paths(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     config = OffloadConfig.from_extra_config({"disk_path": "~/kv", "disk_bytes_to_use": 1 << 20})
-    assert config.tier.path == str(tmp_path / "kv") and (tmp_path / "kv").is_dir()
+    assert config.tiers[0].path == str(tmp_path / "kv") and (tmp_path / "kv").is_dir()
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as e:
         OffloadConfig.from_extra_config({"disk_path": "kv", "disk_bytes_to_use": 1 << 20})

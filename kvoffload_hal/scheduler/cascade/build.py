@@ -1,4 +1,4 @@
-"""The scheduler half of the configured secondary tier, built from its spec's description.
+"""The scheduler halves of the configured secondary tiers, built from their specs.
 
 Runs in the scheduler process. A tier describes what the scheduler keeps for it
 (:class:`~kvoffload_hal.tiers.spec.SchedulerHalf`); this is the one place that
@@ -7,8 +7,8 @@ turns the description into machinery: a
 :class:`~kvoffload_hal.scheduler.cascade.index.TierIndex` for a tier only this
 instance writes, a :class:`~kvoffload_hal.scheduler.cascade.shared.SharedTierCascade`
 (existence queries, bounded waits, the circuit breaker) for one
-``shared_across_instances``, and :class:`~kvoffload_hal.scheduler.cascade.base.NullCascade`
-when there is no tier, or it cannot run.
+``shared_across_instances``, in a :class:`~kvoffload_hal.scheduler.cascade.chain.TierChain`
+in the configured order (empty without a tier that runs).
 """
 
 from __future__ import annotations
@@ -16,36 +16,48 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvoffload_hal.config import device_bytes_per_block
-from kvoffload_hal.scheduler.cascade.base import NullCascade, TierNames
+from kvoffload_hal.scheduler.cascade.base import TierNames
+from kvoffload_hal.scheduler.cascade.chain import TierChain
 from kvoffload_hal.scheduler.cascade.index import TierIndex
+from kvoffload_hal.scheduler.cascade.reads import TierReads
 from kvoffload_hal.scheduler.cascade.shared import SharedTierCascade, SharedTierIndex
 from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
 from kvoffload_hal.tiers.registry import scheduler_half
 from kvoffload_hal.tiers.spec import SchedulerTierContext
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
     from kvoffload_hal.scheduler.room import CpuRoom
-    from kvoffload_hal.tiers.spec import TierSpec
+    from kvoffload_hal.tiers.spec import SchedulerHalf, TierSpec
 
 
-def build_cascade(spec: TierSpec | None, runs: bool, kv_cache_config: KVCacheConfig,
-                  cpu: CpuTier, world_size: int, stats: StatsLedger,
-                  room: CpuRoom) -> NullCascade:
-    """The cascade for ``spec`` (None: no tier); ``runs``: the tier serves this model;
-    ``room``: the scheduler's room broker."""
+def build_chain(specs: Sequence[TierSpec], running: Sequence[str],
+                kv_cache_config: KVCacheConfig, cpu: CpuTier, world_size: int,
+                stats: StatsLedger, room: CpuRoom) -> TierChain:
+    """The chain of ``specs`` that run for this model (``running``: their names; the
+    others are said once and left out), sharing one room broker."""
     ctx = SchedulerTierContext(kv_cache_config, world_size,
                                device_bytes_per_block(kv_cache_config))
-    half = scheduler_half(spec, runs, ctx)
-    if spec is None or half is None:
-        return NullCascade()
+    reads = TierReads(cpu, room, stats)
+    tiers = []
+    for spec in specs:
+        half = scheduler_half(spec, spec.name in running, ctx)
+        if half is not None:
+            tiers.append(_build_tier(spec, half, cpu, world_size, stats, reads))
+    return TierChain(tiers, reads)
+
+
+def _build_tier(spec: TierSpec, half: SchedulerHalf, cpu: CpuTier, world_size: int,
+                stats: StatsLedger, reads: TierReads) -> TierCascade:
     names = TierNames(spec.name, spec.display_name())
     if spec.shared_across_instances:
         index = SharedTierIndex(half.capacity_blocks, deletes_evicted=half.deletes_evicted)
         return SharedTierCascade(index, cpu, world_size, stats, half.wait_s, names=names,
-                                 rebuild=half.rebuild, room=room)
+                                 rebuild=half.rebuild, reads=reads)
     return TierCascade(TierIndex(half.capacity_blocks), cpu, world_size, stats,
-                       rebuild=half.rebuild, names=names, room=room)
+                       rebuild=half.rebuild, names=names, reads=reads)

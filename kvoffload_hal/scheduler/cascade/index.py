@@ -2,7 +2,7 @@
 
 The scheduler decides, with a :class:`TierIndex`, which hashes a secondary tier
 holds, what to evict and what to promote; it never sees the bytes (the worker
-half, :class:`~kvoffload_hal.tiers.worker_tier.SecondaryTier`, moves them).
+half, :class:`~kvoffload_hal.tiers.spec.SecondaryTier`, moves them).
 """
 
 from __future__ import annotations

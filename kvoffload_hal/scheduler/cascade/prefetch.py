@@ -49,12 +49,14 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.config import OffloadConfig
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.base import NullCascade
+    from kvoffload_hal.scheduler.cascade.chain import TierChain
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
 
 
 class NullPrefetcher(RequestPart):
     """No lookahead: the scheduler's calls, each doing nothing."""
+
+    active = False
 
     def add(self, request: Request) -> None:
         """vLLM added ``request`` to its waiting queue."""
@@ -78,7 +80,9 @@ class NullPrefetcher(RequestPart):
 
 
 class Prefetcher(NullPrefetcher):
-    def __init__(self, cpu: CpuTier, cascade: NullCascade, block_size: int,
+    active = True
+
+    def __init__(self, cpu: CpuTier, cascade: TierChain, block_size: int,
                  stats: StatsLedger, max_requests: int, max_blocks: int) -> None:
         self.cpu = cpu
         self.cascade = cascade
@@ -168,13 +172,12 @@ class Prefetcher(NullPrefetcher):
         return held + len(hit_blocks)
 
 
-def build_prefetcher(config: OffloadConfig, secondary_tier: bool, cpu: CpuTier,
-                     cascade: NullCascade, block_size: int,
+def build_prefetcher(config: OffloadConfig, cpu: CpuTier, tiers: TierChain, block_size: int,
                      stats: StatsLedger) -> NullPrefetcher:
     """The lookahead configured, or :class:`NullPrefetcher` where it has nothing to do."""
     cap = int(config.prefetch_cpu_share * cpu.num_blocks)
     if config.prefetch_blocks:
         cap = min(cap, config.prefetch_blocks)
-    if not secondary_tier or config.prefetch_requests <= 0 or cap <= 0:
+    if not tiers or config.prefetch_requests <= 0 or cap <= 0:
         return NullPrefetcher()
-    return Prefetcher(cpu, cascade, block_size, stats, config.prefetch_requests, cap)
+    return Prefetcher(cpu, tiers, block_size, stats, config.prefetch_requests, cap)

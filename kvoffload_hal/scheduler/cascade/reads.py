@@ -23,10 +23,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvoffload_hal.hal.plumbing import log_once
-from kvoffload_hal.logger import init_logger
+from kvoffload_hal.logger import init_logger, log_once
 from kvoffload_hal.scheduler.cascade.spill import JobKind, TierJob
 from kvoffload_hal.scheduler.room import RoomKind
 
@@ -51,6 +50,17 @@ Entry = tuple["BlockKey", Any]  # (tier key, block hash with group id)
 Sink = Callable[["TierRead", list[Entry], list["KVCacheBlock"], int], None]
 
 
+class ReadSource(Protocol):
+    """The tier a read reads from (a :class:`~.tier_cascade.TierCascade`)."""
+
+    index: TierIndex
+    names: TierNames
+    read_wait_s: float | None  # how long a part may be in flight (a shared tier's wait)
+
+    def queue(self, job: TierJob) -> None:
+        """Send ``job`` to the workers with this step's tier jobs."""
+
+
 def starved(since: float, now: float, label: str, what: str) -> bool:
     """Whether ``what`` went without CPU room for :data:`MAX_ROOM_WAIT_S` (said once)."""
     if now - since <= MAX_ROOM_WAIT_S:
@@ -64,6 +74,7 @@ def starved(since: float, now: float, label: str, what: str) -> bool:
 class TierRead:
     """One reader's entries, read in order, part by part (see the module docstring)."""
 
+    source: ReadSource
     reader: str
     entries: list[Entry]
     sink: Sink
@@ -96,28 +107,23 @@ class TierRead:
 
 
 class TierReads:
-    """Every read of one tier, its owner map and its deadline."""
+    """Every read of every tier in the chain, their owner map and their deadline."""
 
-    def __init__(self, index: TierIndex, cpu: CpuTier, room: CpuRoom, stats: StatsLedger,
-                 names: TierNames, queue: list[TierJob],
+    def __init__(self, cpu: CpuTier, room: CpuRoom, stats: StatsLedger,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """``queue``: the tier's jobs for this step, where each part's job goes."""
-        self.index = index
         self.cpu = cpu
         self.room = room
         self.stats = stats
-        self.names = names
-        self._queue = queue
         self.clock = clock
-        self.read_wait_s: float | None = None  # a shared tier's wait for each part
         self.owners: dict[BlockKey, TierRead] = {}
 
     # ---------------------------------------------------------- ownership
-    def start(self, reader: str, entries: list[Entry], sink: Sink, kind: RoomKind,
-              what: str = "a read") -> TierRead:
-        """A read of ``entries`` for ``reader``; it owns their keys until :meth:`end`."""
-        read = TierRead(reader, entries, sink, kind, self.clock(), what)
-        self.index.pin(read.keys)
+    def start(self, source: ReadSource, reader: str, entries: list[Entry], sink: Sink,
+              kind: RoomKind, what: str = "a read") -> TierRead:
+        """A read of ``entries`` from ``source`` for ``reader``; it owns their keys
+        until :meth:`end`."""
+        read = TierRead(source, reader, entries, sink, kind, self.clock(), what)
+        source.index.pin(read.keys)
         self.owners.update((key, read) for key in read.keys)
         return read
 
@@ -143,7 +149,7 @@ class TierReads:
         self._let_go(read, [k for k in read.keys if k not in out])
 
     def _let_go(self, read: TierRead, keys: list[BlockKey]) -> None:
-        self.index.unpin(keys)
+        read.source.index.unpin(keys)
         for key in keys:
             if self.owners.get(key) is read:
                 del self.owners[key]
@@ -155,7 +161,7 @@ class TierReads:
         the read wanted room and got none."""
         now = self.clock()
         if read.part is not None:
-            if self.read_wait_s is not None and now - read.since > self.read_wait_s:
+            if self.overdue(read):
                 read.stop(read.next - len(read.part))  # read late: the rest is recomputed
             return True
         if read.over() or read.ended:
@@ -163,7 +169,7 @@ class TierReads:
         left = read.left()
         n = self.room.grant(read.kind, left) if room is None else min(room, left)
         if n <= 0:
-            if starved(read.since, now, self.names.label, read.what):
+            if starved(read.since, now, read.source.names.label, read.what):
                 read.stop(read.next)
             return False
         part = read.entries[read.next:read.next + n]
@@ -171,24 +177,25 @@ class TierReads:
         read.part = part
         read.since = now
         read.in_flight.append(part)
-        self._queue.append(TierJob(
+        read.source.queue(TierJob(
             JobKind.PROMOTE, [k for k, _ in part], self.cpu.allocate(n), [h for _, h in part],
             on_done=lambda job, n_ok: self._part_read(read, part, job, n_ok)))
         return True
 
     def overdue(self, read: TierRead) -> bool:
-        """Whether the part in flight is past the tier's read wait."""
-        return (read.part is not None and self.read_wait_s is not None
-                and self.clock() - read.since > self.read_wait_s)
+        """Whether the part in flight is past its tier's read wait."""
+        wait_s = read.source.read_wait_s
+        return (read.part is not None and wait_s is not None
+                and self.clock() - read.since > wait_s)
 
-    def finish(self, job: TierJob) -> None:
-        """Every rank reported a part: failed keys leave the index, what read before the
-        first of them is published, and the read hears of it."""
-        self.index.drop(job.failed)
+    def finish(self, job: TierJob, source: ReadSource) -> None:
+        """Every rank reported a part read from ``source``: failed keys leave its index,
+        what read before the first of them is published, and the read hears of it."""
+        source.index.drop(job.failed)
         n_ok = next((i for i, k in enumerate(job.keys) if k in job.failed), len(job.keys))
         if not job.abandoned:
             self.cpu.publish(job.blocks[:n_ok], job.hashes[:n_ok])
-            self.stats.record_tier(self.names.name, promoted=n_ok)
+            self.stats.record_tier(source.names.name, promoted=n_ok)
         job.on_done(job, n_ok)
 
     def cancel(self, job: TierJob) -> None:
@@ -201,7 +208,7 @@ class TierReads:
         read.in_flight.remove(part)
         read.cancelled = read.cancelled or job.cancelled
         if read.ended:
-            self.index.unpin(k for k, _ in part)
+            read.source.index.unpin(k for k, _ in part)
             for key, _ in part:
                 if self.owners.get(key) is read:
                     del self.owners[key]

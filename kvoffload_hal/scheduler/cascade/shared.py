@@ -48,7 +48,7 @@ from kvoffload_hal.scheduler.cascade.index import TierIndex, _Entry
 from kvoffload_hal.scheduler.cascade.spill import JobKind
 from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade, TierStep
 from kvoffload_hal.scheduler.jobs import RankTally
-from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
+from kvoffload_hal.scheduler.room import RoomKind
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cascade.reads import TierReads
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
 
 @dataclass
@@ -106,12 +107,12 @@ class SharedTierCascade(TierCascade):
                  stats: StatsLedger, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  names: TierNames = TierNames(), rebuild: bool = False,
-                 room: CpuRoom | None = None) -> None:
+                 reads: TierReads | None = None) -> None:
         """``rebuild``: the workers report blocks kept from before a restart."""
         super().__init__(index, cpu, world_size, stats, rebuild=rebuild, clock=clock,
-                         names=names, room=room)
+                         names=names, reads=reads)
         self.timeout_s = timeout_s
-        self.reads.read_wait_s = timeout_s  # every read's part: promotions, staged, checks
+        self.read_wait_s = timeout_s  # every read's part: promotions, staged, checks
         self._clock = clock
         self._probes: dict[str, _Probe] = {}
         self._waiting_since: dict[str, float] = {}  # on another request's promotion

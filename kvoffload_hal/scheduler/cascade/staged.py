@@ -49,10 +49,16 @@ from typing import TYPE_CHECKING
 
 from vllm.utils.math_utils import cdiv
 
-from kvoffload_hal import vllm_compat
 from kvoffload_hal.metadata import LoadSpec
+from kvoffload_hal.scheduler.cascade.groups import GroupKeys
 from kvoffload_hal.scheduler.cascade.staged_check import StagedChecks
-from kvoffload_hal.scheduler.cascade.staged_plan import NotStaged, Round, Slot, Staged, plan_hit
+from kvoffload_hal.scheduler.cascade.staged_plan import (
+    NotStaged,
+    Round,
+    Slot,
+    Staged,
+    plan_chain_hit,
+)
 from kvoffload_hal.scheduler.load_jobs import RoundJob
 from kvoffload_hal.scheduler.parts import RequestPart
 from kvoffload_hal.scheduler.room import RoomKind
@@ -64,10 +70,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cascade.chain import TierChain
     from kvoffload_hal.scheduler.cascade.reads import Entry, TierRead
-    from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.scheduler.load_jobs import LoadJobs
+    from kvoffload_hal.vllm_strategy import VllmStrategy
 
 
 
@@ -79,17 +86,19 @@ class StagedHits(RequestPart):
     offered and served, and which tier keys each one is bringing.
     """
 
-    def __init__(self, cascade: TierCascade, loads: LoadJobs, cpu: CpuTier,
-                 stats: StatsLedger, block_size: int, check_first: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # (.staged_check)
-        self.cascade = cascade
+    def __init__(self, tiers: TierChain, loads: LoadJobs, cpu: CpuTier,
+                 stats: StatsLedger, block_size: int, vllm: VllmStrategy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tiers = tiers
         self.loads = loads
         self.cpu = cpu
         self.stats = stats
         self.block_size = block_size
-        self.enabled = cascade.stages
-        self.reads = cascade.reads
-        self.checks = StagedChecks(cascade, cpu, check_first)
+        self.enabled = self.active = any(tier.stages for tier in tiers)
+        self.reads = tiers.reads
+        self.groups = GroupKeys.of(cpu)
+        self.vllm = vllm
+        self.checks = StagedChecks(tiers.reads, cpu, vllm.checks_staged_hits_first())
         self._clock = clock
         self._pending: dict[str, Staged] = {}  # offered, not allocated yet
         self._active: dict[str, Staged] = {}
@@ -101,7 +110,7 @@ class StagedHits(RequestPart):
               max_hit_tokens: int) -> int | None:
         """Tokens of a staged hit for the request (CPU hit included), 0 when it is not
         staged, None when a staged hit brings its blocks (it asks again later)."""
-        if not (self.enabled and self.cascade.may_stage()):
+        if not self.enabled:
             return 0
         bs, req_id = self.block_size, request.request_id
         max_hit_tokens = self.checks.limit(req_id, num_computed_tokens, max_hit_tokens, bs)
@@ -112,14 +121,14 @@ class StagedHits(RequestPart):
                                    (num_computed_tokens + max_hit_tokens) // bs]
         # (A hit on busy CPU blocks waited already: LoadJobs.wait_for_shared_load.)
         if self.reads.owners and any(  # (most: nothing is owned)
-                self.reads.owned_by_another(k, req_id) for k in self.cascade.groups.keys(run)):
+                self.reads.owned_by_another(k, req_id) for k in self.groups.keys(run)):
             self.loads.note_wait(req_id)
             return None
-        staged = plan_hit(self.cascade, self.cpu, req_id, hit, request.block_hashes,
-                          num_computed_tokens // bs, run, max_hit_tokens)
+        staged = plan_chain_hit(self.tiers, self.cpu, req_id, hit, request.block_hashes,
+                                num_computed_tokens // bs, run, max_hit_tokens)
         if staged is NotStaged.WAIT:
             return None
-        if staged is NotStaged.FITS:
+        if not isinstance(staged, Staged):
             self.checks.forget(req_id)
             return 0
         if self.checks.still_reading(staged, num_computed_tokens // bs):
@@ -127,11 +136,13 @@ class StagedHits(RequestPart):
         staged.num_computed_tokens = num_computed_tokens
         self.cpu.pin([b for _, b in staged.cpu])
         self.loads.hold_busy(b.block_id for _, b in staged.cpu)
-        staged.read = self.reads.start(req_id, [(key, h) for _, key, h in staged.tier],
+        staged.read = self.reads.start(staged.source, req_id,
+                                       [(key, h) for _, key, h in staged.tier],
                                        self._promoted, RoomKind.STAGED, "a staged hit")
         self._pending[req_id] = staged
-        self.cascade.release_promoted(req_id)  # a prefetch's blocks: pinned above
+        self.tiers.release_promoted(req_id)  # a prefetch's blocks: pinned above
         return staged.num_tokens
+
 
     def on_lookup(self, req_id: str) -> None:
         self.release_pending(req_id)
@@ -162,7 +173,7 @@ class StagedHits(RequestPart):
         # A prefix of the hit is a hit only where every group needs every block before
         # its end; otherwise the blocks a window or a state needs differ, and none is.
         n = cdiv(num_external_tokens, self.block_size)
-        if n * self.block_size < staged.num_tokens and not self.cascade.groups.all_dense:
+        if n * self.block_size < staged.num_tokens and not self.groups.all_dense:
             staged.fail_from(0)
         first = staged.num_computed_tokens // self.block_size
         device = blocks.blocks
@@ -194,9 +205,9 @@ class StagedHits(RequestPart):
                 need += self._advance(staged)
         need += self.checks.advance()
         if self.enabled:
-            if need and not self.cascade.room.claimed(RoomKind.STAGED):
-                self.cascade.release_all_kept()
-            self.cascade.room.claim(RoomKind.STAGED, need)
+            if need and not self.tiers.room.claimed(RoomKind.STAGED):
+                self.tiers.release_all_kept()
+            self.tiers.room.claim(RoomKind.STAGED, need)
 
     def _advance(self, staged: Staged) -> int:
         """One hit's step; the blocks it wanted and was not granted."""
@@ -264,7 +275,7 @@ class StagedHits(RequestPart):
 
     def on_transfer_results(self, output: KVConnectorOutput) -> None:
         """Last rounds that landed on every rank: the hit is over."""
-        failed = vllm_compat.failed_recving(output)
+        failed = self.vllm.failed_recving(output)
         invalid = output.invalid_block_ids or set()
         for req_id in output.finished_recving or ():
             staged = self._active.get(req_id)

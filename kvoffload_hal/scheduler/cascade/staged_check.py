@@ -32,9 +32,8 @@ from kvoffload_hal.scheduler.room import RoomKind
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvoffload_hal.scheduler.cascade.reads import Entry, TierRead
+    from kvoffload_hal.scheduler.cascade.reads import Entry, TierRead, TierReads
     from kvoffload_hal.scheduler.cascade.staged_plan import Round, Staged
-    from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
     from kvoffload_hal.tiers.spec import BlockKey
 
@@ -58,9 +57,8 @@ class _Check:
 class StagedChecks:
     """The checks of one scheduler's staged hits (see the module's docstring)."""
 
-    def __init__(self, cascade: TierCascade, cpu: CpuTier, enabled: bool) -> None:
-        self.cascade = cascade
-        self.reads = cascade.reads
+    def __init__(self, reads: TierReads, cpu: CpuTier, enabled: bool) -> None:
+        self.reads = reads
         self.cpu = cpu
         self.enabled = enabled
         self._checks: dict[str, _Check] = {}
@@ -100,7 +98,8 @@ class StagedChecks:
         if not unread:
             self.forget(staged.req_id)
             return False
-        read = self.reads.start(staged.req_id, [(key, h) for _, key, h in unread],
+        read = self.reads.start(staged.source, staged.req_id,
+                                [(key, h) for _, key, h in unread],
                                 self._read, RoomKind.STAGED, "checking a staged hit")
         new = _Check(read, [first + slot[0] for slot, _, _ in unread])
         if check is not None:  # what the last check read and where it stopped stay

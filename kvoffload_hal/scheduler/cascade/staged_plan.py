@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+    from kvoffload_hal.scheduler.cascade.chain import TierChain
     from kvoffload_hal.scheduler.cascade.reads import TierRead
     from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
@@ -40,6 +41,7 @@ class Staged:
     counting blocks from its first computed token on; lists go slot by slot."""
 
     req_id: str
+    source: TierCascade  # the tier its blocks come from
     cpu: list[tuple[Slot, KVCacheBlock]]  # slots the CPU tier holds, pinned
     tier: list[tuple[Slot, BlockKey, Any]]  # slots the tier brings: (slot, key, hash)
     num_tokens: int  # offered
@@ -105,8 +107,23 @@ class Staged:
 class NotStaged(Enum):
     """Why :func:`plan_hit` stages nothing."""
 
-    FITS = "a promotion serves the run whole, or there is nothing to get"
-    WAIT = "another request's promotion brings a block of the run: ask again later"
+    FITS = "a promotion serves the run whole"
+    NOTHING = "the tier holds nothing vLLM's lookup would take after the CPU hit"
+    WAIT = "another request's read brings a block of the run: ask again later"
+
+
+def plan_chain_hit(tiers: TierChain, cpu: CpuTier, req_id: str, hit: Hit,
+                   block_hashes: Sequence[Any], first: int, run: Sequence[Any],
+                   max_tokens: int) -> Staged | NotStaged:
+    """The staged hit of the nearest tier that holds the blocks after the CPU hit, or why
+    there is none (a promotion of that tier's blocks serves them, see :func:`plan_hit`)."""
+    for tier in tiers:
+        if not tier.may_stage():
+            return NotStaged.FITS  # the lookup goes the breaker's way
+        staged = plan_hit(tier, cpu, req_id, hit, block_hashes, first, run, max_tokens)
+        if staged is not NotStaged.NOTHING:
+            return staged
+    return NotStaged.NOTHING
 
 
 def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
@@ -126,6 +143,8 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
                                     for key in groups.keys(run)):
         return NotStaged.WAIT
     wanted = groups.plan(run, index.is_ready, cpu.holds, len(run) * len(groups.groups))
+    if not wanted:
+        return NotStaged.NOTHING
     # The room a promotion has once the CPU blocks of the hit and run are pinned.
     held = {b.block_id: b for b in [*(b for g in hit for b in g if not b.is_null),
                                     *cpu.cached(h for bh in run for _, h in groups.at(bh))]}
@@ -138,7 +157,7 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
         return TierBlock(key, block_hash) if index.is_ready(key) else None
 
     blocks, num_tokens = cpu.find_hit_with(block_hashes, first, max_tokens, in_tier)
-    staged = Staged(req_id, [], [], num_tokens, 0)
+    staged = Staged(req_id, cascade, [], [], num_tokens, 0)
     for g, group_blocks in enumerate(blocks):
         for pos, b in enumerate(group_blocks):
             if isinstance(b, TierBlock):

@@ -57,13 +57,14 @@ class TierCascade(SpillCascade):
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, rebuild: bool = False,
                  clock: Callable[[], float] = time.monotonic,
-                 names: TierNames = TierNames(), room: CpuRoom | None = None) -> None:
-        """``rebuild``: the workers report blocks kept from before a restart; ``room``:
-        the scheduler's room broker (one of its own when alone)."""
+                 names: TierNames = TierNames(), reads: TierReads | None = None) -> None:
+        """``rebuild``: the workers report blocks kept from before a restart; ``reads``:
+        the chain's reads and room broker (of its own when alone)."""
         super().__init__(index, cpu, world_size, stats, rebuild, names)
         self._clock = clock
-        self.room = room if room is not None else CpuRoom(cpu)
-        self.reads = TierReads(index, cpu, self.room, stats, names, self._queued, clock)
+        self.reads = reads if reads is not None else TierReads(cpu, CpuRoom(cpu), stats, clock)
+        self.room = self.reads.room
+        self.read_wait_s: float | None = None  # a part in flight never times out
         self._room_wait_since: dict[str, float] = {}
         self._promoting: dict[str, TierRead] = {}  # a request's promotion in flight
         self._kept: dict[str, list[KVCacheBlock]] = {}  # until the request's next lookup
@@ -125,7 +126,7 @@ class TierCascade(SpillCascade):
                 return (self._waits_for_others(req_id, positions)
                         or self._waits_for_room(req_id, positions, [*held, *_blocks(hit)]))
             self._promoting[req_id] = read = self.reads.start(
-                req_id, chosen, self._promoted, kind, "a promotion")
+                self, req_id, chosen, self._promoted, kind, "a promotion")
             self.reads.advance(read, len(chosen))
         finally:
             self.cpu.unpin(held)
@@ -198,8 +199,11 @@ class TierCascade(SpillCascade):
         self._stop_promoting(req_id)
         return False
 
+    def queue(self, job: TierJob) -> None:
+        self._queued.append(job)
+
     def _finish_promotion(self, job: TierJob) -> None:
-        self.reads.finish(job)
+        self.reads.finish(job, self)
 
     # --------------------------------------------------------------- misc
     def reset(self) -> None:

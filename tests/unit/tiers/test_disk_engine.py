@@ -97,7 +97,7 @@ def test_corrupted_disk_blocks_are_recomputed(make_engine, tmp_path):
 def test_small_disk_tier_evicts_lru_and_stays_consistent(make_engine, tmp_path):
     engine = make_engine(cpu_blocks=8, extra_config=_disk(tmp_path, 12))
     _sequential_passes(engine, _docs(6, 80))
-    assert len(engine.offload.cascade.index) <= 12
+    assert len(engine.offload.tiers.nearest.index) <= 12
     files = sum(len(f) for _, _, f in os.walk(engine.worker.worker.tier.root))
     assert files <= 12 + 8 + 2  # evicted files are deleted (asynchronously); marker, lock
     engine.assert_idle()
@@ -109,13 +109,13 @@ def test_a_model_with_a_sliding_window_group_gets_its_prefixes_back_from_disk(
     group's blocks of the run, and the fake model checks each block attention reads."""
     engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=12,
                          extra_config=_disk(tmp_path, 400))
-    assert engine.offload.caps.tier == "disk"
+    assert engine.offload.caps.tiers == ("disk",)
     _sequential_passes(engine, _docs(6, 80))  # 30 blocks a group: the CPU tier holds 12
     totals = engine.offload.totals.data
     assert totals["blocks_to_disk"] == 2 * 30  # both groups' blocks written through
     from vllm.v1.core.kv_cache_utils import get_group_id
 
-    keys = engine.offload.cascade.index._entries
+    keys = engine.offload.tiers.nearest.index._entries
     assert {get_group_id(bytes.fromhex(k)) for k in keys} == {0, 1}
     assert totals["blocks_from_disk"] > 0
     assert totals["cpu_hit_tokens"] >= 6 * 64  # most of each document came back

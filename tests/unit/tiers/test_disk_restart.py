@@ -58,8 +58,8 @@ def test_a_restarted_engine_serves_the_blocks_its_predecessor_kept(make_engine, 
     assert len(_block_files(tmp_path)) == NUM_DOCS * DOC_TOKENS // BS
     engine = _engine(make_engine, tmp_path)
     # The index is whole at start-up (the workers' handshake), before any step.
-    assert engine.steps == 0 and not engine.offload.cascade.rebuild.pending
-    assert engine.offload.cascade.rebuild.adopted == NUM_DOCS * DOC_TOKENS // BS
+    assert engine.steps == 0 and not engine.offload.tiers.nearest.rebuild.pending
+    assert engine.offload.tiers.nearest.rebuild.adopted == NUM_DOCS * DOC_TOKENS // BS
     _serve_all(engine, "b", suffix=[7])  # every full block of each document is a hit
     assert engine.cached_tokens["b0"] == DOC_TOKENS  # the very first request too
     totals = engine.offload.totals.data
@@ -80,7 +80,7 @@ def test_a_listing_longer_than_the_start_up_wait_goes_on_with_the_steps(
     monkeypatch.setattr(DirScan, "_list", lambda self: gate.wait() and listing(self))
     monkeypatch.setattr(core, "FOUND_AT_START_WAIT_S", 0.2)  # a slow disk at start-up
     engine = _engine(make_engine, tmp_path)
-    rebuild = engine.offload.cascade.rebuild
+    rebuild = engine.offload.tiers.nearest.rebuild
     assert rebuild.pending and rebuild.adopted == 0  # start-up did not wait for ever
     gate.set()
     engine.drain()  # what the listing finds later comes in the step metadata
@@ -96,15 +96,15 @@ def test_a_block_some_rank_lacks_is_never_indexed_and_its_files_go(make_engine, 
     keys = sorted(f[:-len(".kvb")] for f in _block_files(tmp_path))
     engine = make_engine(cpu_blocks=12, ranks=2, extra_config={
         "disk_path": str(tmp_path / "kv"), "disk_bytes_to_use": 2 * 200 * PAGE})
-    rebuild = engine.offload.cascade.rebuild
+    rebuild = engine.offload.tiers.nearest.rebuild
     assert rebuild.pending and rebuild.adopted == 0  # rank 0 alone holds nothing whole
     engine.connector.set_xfer_handshake_metadata_pp_aware(
-        {(0, 1): OffloadHandshake(keys[:15], tier_scans_done=1)})
-    index = engine.offload.cascade.index
+        {(0, 1): OffloadHandshake([(0, k) for k in keys[:15]], tier_scans_done=[0])})
+    index = engine.offload.tiers.nearest.index
     assert not rebuild.pending and rebuild.adopted == 15
     assert all(index.is_ready(k) for k in keys[:15])
     assert not any(k in index for k in keys[15:])
-    assert sorted(engine.offload.cascade.take_jobs().evictions) == keys[15:]
+    assert sorted(engine.offload.tiers.nearest.take_jobs().evictions) == keys[15:]
 
 
 def test_with_retention_remove_a_restart_starts_empty(make_engine, tmp_path):
@@ -121,7 +121,7 @@ def test_another_fingerprint_never_adopts_and_removes_the_old_blocks(
     monkeypatch.setenv("PYTHONHASHSEED", "1")  # other block hashes: other fingerprint
     engine = _engine(make_engine, tmp_path)
     engine.drain()
-    assert engine.offload.cascade.rebuild.adopted == 0
+    assert engine.offload.tiers.nearest.rebuild.adopted == 0
     _serve_all(engine, "b", suffix=[7])
     assert engine.offload.totals.data.get("blocks_from_disk", 0) == 0
     # Only the new engine's own directory is left.
@@ -136,8 +136,8 @@ def test_a_smaller_tier_after_the_restart_keeps_the_newest_blocks(make_engine, t
     engine.drain()
     worker_tier = engine.worker.worker.tier
     worker_tier.shutdown()  # wait for the deletions
-    assert engine.offload.cascade.rebuild.adopted == 30
-    assert len(engine.offload.cascade.index) == 12
+    assert engine.offload.tiers.nearest.rebuild.adopted == 30
+    assert len(engine.offload.tiers.nearest.index) == 12
     assert len(_block_files(tmp_path)) == 12
 
 
@@ -197,4 +197,4 @@ def test_with_a_random_hash_seed_nothing_is_adopted_and_one_line_says_why(
         engine.drain()
     said = [r.getMessage() for r in caplog.records if "PYTHONHASHSEED" in r.getMessage()]
     assert len(said) == (1 if random_seed else 0)
-    assert engine.offload.cascade.rebuild.adopted == (0 if random_seed else 30)
+    assert engine.offload.tiers.nearest.rebuild.adopted == (0 if random_seed else 30)

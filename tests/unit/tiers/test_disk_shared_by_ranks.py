@@ -95,9 +95,9 @@ def test_a_block_the_writer_evicts_between_lookup_and_read_is_recomputed(
         reader.add("b", doc)
         for _ in range(50):  # the existence query answers; the read waits at the gate
             reader.step()
-            if reader.offload.cascade.index.ready_run(_keys(reader, "b")):
+            if reader.offload.tiers.nearest.index.ready_run(_keys(reader, "b")):
                 break
-        assert reader.offload.cascade.index.ready_run(_keys(reader, "b")) == DOC_BLOCKS
+        assert reader.offload.tiers.nearest.index.ready_run(_keys(reader, "b")) == DOC_BLOCKS
         for seed in (2, 3):  # the writer evicts and deletes "a"'s files
             _serve(writer, f"other{seed}", _doc(seed))
         wait_until(lambda: not any(os.path.exists(p) for p in files), 10,

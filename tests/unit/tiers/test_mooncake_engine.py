@@ -59,7 +59,7 @@ def test_a_model_with_a_sliding_window_group_is_shared_too(master, make_engine):
     a = _engine(make_engine, master.address, sliding_window=32)
     b = _engine(make_engine, master.address, sliding_window=32)
     _serve(a, "a", PROMPT)
-    assert a.offload.caps.tier == "mooncake"
+    assert a.offload.caps.tiers == ("mooncake",)
     assert a.offload.totals.data["blocks_to_mooncake"] == 2 * 6
     _serve(b, "b", PROMPT)
     assert b.outputs["b"] == a.outputs["a"]

@@ -57,7 +57,7 @@ def test_a_frozen_master_costs_one_timeout_then_the_tier_comes_back(master, make
     for seed in (0, 1):
         _serve(writer, f"w{seed}", _prompt(seed))
     assert writer.offload.totals.data["blocks_to_mooncake"] == 8
-    breaker = reader.offload.cascade.breaker
+    breaker = reader.offload.tiers.nearest.breaker
     breaker.base_backoff_s = WINDOW_S
 
     os.killpg(master.proc.pid, signal.SIGSTOP)

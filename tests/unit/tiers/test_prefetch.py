@@ -53,7 +53,7 @@ def _queue_behind_fillers(engine, docs, steps=30, settle=True):
         engine.step()
         held.append(engine.offload.prefetch.num_held_blocks())
     deadline = time.monotonic() + 30
-    while settle and engine.offload.cascade.has_pending():
+    while settle and engine.offload.tiers.has_pending():
         assert time.monotonic() < deadline, "tier jobs still in flight"
         time.sleep(0.002)
         engine.step()
@@ -135,7 +135,7 @@ def test_an_aborted_waiting_request_releases_its_prefetched_blocks(make_engine, 
         gate.set()
     for _ in range(30):
         engine.step()
-    assert engine.offload.cascade.held_for("doc-1") == DOC_BLOCKS  # promoted, pinned
+    assert engine.offload.tiers.held_for("doc-1") == DOC_BLOCKS  # promoted, pinned
     engine.abort(["doc-1"])
     assert engine.offload.prefetch.num_held_blocks() == 0
     engine.abort(fillers)
@@ -203,7 +203,7 @@ def test_a_cache_reset_lets_go_of_prefetched_blocks(make_engine, tmp_path):
     assert held[-1] == 2 * DOC_BLOCKS
     engine.scheduler.reset_prefix_cache(reset_connector=True)  # the fillers keep running
     assert engine.offload.prefetch.num_held_blocks() == 0
-    assert all(engine.offload.cascade.held_for(f"doc-{i}") == 0 for i in range(2))
+    assert all(engine.offload.tiers.held_for(f"doc-{i}") == 0 for i in range(2))
     engine.abort(fillers)
     engine.run_until_done()
     engine.drain()

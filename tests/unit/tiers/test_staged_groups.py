@@ -66,7 +66,7 @@ def _longest_hit_within(engine, block_hashes, end):
     """The most blocks before ``end`` whose sliding windows the CPU or the disk tier
     holds (where the window's blocks were stored)."""
     offload = engine.offload
-    groups, index = offload.cascade.groups, offload.cascade.index
+    groups, index = offload.tiers.nearest.groups, offload.tiers.nearest.index
     sliding = [g for g in groups.groups if g not in groups.dense]
     for n in range(end, 0, -1):
         window = block_hashes[max(0, n - WINDOW_BLOCKS):n]
@@ -84,8 +84,9 @@ def _promoted_before_first_round(engine, since):
             continue
         if meta.rounds:
             return n
-        if meta.tier.promote is not None:
-            n += len(meta.tier.promote.items)
+        for tier in meta.tiers:
+            if tier.promote is not None:
+                n += len(tier.promote.items)
     return n
 
 

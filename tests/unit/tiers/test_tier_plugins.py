@@ -32,7 +32,7 @@ def test_an_entry_point_tier_is_found_with_its_keys(tmp_path, monkeypatch, caplo
     assert registry.tier_targets()["memory"] == ENTRY_POINT
     with caplog.at_level(logging.WARNING):
         config = OffloadConfig.from_extra_config({"memory_tier_blocks": 8})
-    assert config.tier.name == "memory" and config.tier.blocks == 8
+    assert [t.name for t in config.tiers] == ["memory"] and config.tiers[0].blocks == 8
     assert not any("unknown key" in r.getMessage() for r in caplog.records)
 
 
@@ -41,13 +41,27 @@ def test_a_tier_validates_its_own_keys(memory_tier):
         OffloadConfig.from_extra_config({"memory_tier_blocks": 0})
 
 
-def test_two_tiers_at_once_are_refused_naming_both_keys(memory_tier, tmp_path):
-    with pytest.raises(ValueError) as e:
-        OffloadConfig.from_extra_config({"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20,
-                                         "memory_tier_blocks": 8})
-    assert str(e.value) == (
-        "kv_connector_extra_config sets both 'disk_path' and 'memory_tier_blocks': expected one "
-        "secondary tier (the disk tier or the memory tier), not both")
+def test_two_tiers_make_a_chain_in_the_order_named(memory_tier, tmp_path):
+    disk = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20}
+    both = {**disk, "memory_tier_blocks": 8}
+    config = OffloadConfig.from_extra_config({**both, "tiers": ["memory", "disk"]})
+    assert [t.name for t in config.tiers] == ["memory", "disk"]
+    # Without 'tiers': tiers only this instance writes, in the registry's order.
+    assert [t.name for t in OffloadConfig.from_extra_config(both).tiers] == ["disk", "memory"]
+
+
+@pytest.mark.parametrize("order, message", [
+    ("disk", r"\['tiers'\] = 'disk': expected a list of tier names, nearest first"),
+    (["disk"], r"leaves out the memory tier, which 'memory_tier_blocks' turns on"),
+    (["disk", "memory", "disk"], r"'disk' is named twice"),
+    (["disk", "memory", "mooncake"], r"'mooncake' is not turned on \(set 'mooncake_master'\)"),
+    (["disk", "tape"], r"'tape' is no known tier; expected a list of tier names"),
+])
+def test_a_wrong_tier_order_is_refused_naming_the_key(memory_tier, tmp_path, order, message):
+    extra = {"disk_path": str(tmp_path), "disk_bytes_to_use": 1 << 20,
+             "memory_tier_blocks": 8, "tiers": order}
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig.from_extra_config(extra)
 
 
 @pytest.mark.parametrize("target, why", [
@@ -95,7 +109,7 @@ def test_a_model_the_tier_does_not_support_runs_without_it(memory_tier):
         return SimpleNamespace(kv_cache_groups=[
             SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=bs)) for bs in block_sizes])
 
-    spec = OffloadConfig.from_extra_config({"memory_tier_blocks": 8}).tier
+    spec, = OffloadConfig.from_extra_config({"memory_tier_blocks": 8}).tiers
     assert registry.tier_runs(spec, model(16)) and not registry.tier_runs(spec, model(16, 16))
     assert registry.why_tier_is_off(spec, model(16, 16)) == (
         "the memory tier supports models with one KV cache group")

@@ -1,0 +1,128 @@
+"""The chain of secondary tiers behind the CPU tier, nearest first: what the scheduler calls.
+
+Runs in the scheduler process. Each tier of the chain has its own index, jobs and (for
+a tier shared across instances) breaker, a :class:`~.tier_cascade.TierCascade`; the
+chain shares one :class:`~.reads.TierReads` (the one owner map of keys being read, and
+the one deadline) and one room broker among them. docs/design.md ("A chain of tiers")
+states the rule:
+
+* **Spills are written through the chain**: a block published in the CPU tier is
+  queued for every tier that has room for it, each writing on its own.
+* **A hit is read from the nearest tier that holds it**: a lookup asks the tiers in
+  order, and the first that holds the blocks after the CPU hit promotes (or probes)
+  them; once they are in the CPU tier, the next lookup asks again for the rest, so a
+  block gone from the disk tier comes back from the next tier behind it.
+
+With no tier, every call does nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_hal.scheduler.parts import RequestPart
+from kvoffload_hal.scheduler.room import RoomKind
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+    from kvoffload_hal.metadata import JobReport, TierJobs
+    from kvoffload_hal.scheduler.cascade.reads import TierReads
+    from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
+    from kvoffload_hal.scheduler.cpu_tier import Hit
+    from kvoffload_hal.tiers.spec import BlockKey
+
+
+class TierChain(RequestPart):
+    """The tiers behind the CPU tier, nearest first (see the module docstring)."""
+
+    def __init__(self, tiers: Sequence[TierCascade], reads: TierReads) -> None:
+        self.tiers = list(tiers)
+        self.reads = reads
+        self.room = reads.room
+        self.active = bool(self.tiers)
+
+    def __iter__(self):
+        return iter(self.tiers)
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    @property
+    def nearest(self) -> TierCascade:
+        return self.tiers[0]
+
+    def bind(self, gpu_pool: BlockPool) -> None:
+        for tier in self.tiers:
+            tier.bind(gpu_pool)
+
+    def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
+        for tier in self.tiers:
+            tier.bind_copies(copies_in_flight)
+
+    # ------------------------------------------------------------- writes
+    def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
+        """Blocks were just published in the CPU tier: written through the chain."""
+        for tier in self.tiers:
+            tier.on_published(blocks, hashes)
+
+    # -------------------------------------------------------------- reads
+    def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
+               kind: RoomKind = RoomKind.PROMOTIONS, max_blocks: int | None = None) -> bool:
+        """After a CPU hit: True when the request asks again later, because the nearest
+        tier holding the blocks after it promotes them (or asks its store)."""
+        self.release_promoted(request.request_id)
+        return any(tier.lookup(request, hit, first_block, end_block, kind, max_blocks)
+                   for tier in self.tiers)
+
+    def held_for(self, req_id: str, promoting_only: bool = False) -> int:
+        return sum(tier.held_for(req_id, promoting_only) for tier in self.tiers)
+
+    def release_promoted(self, req_id: str) -> None:
+        for tier in self.tiers:
+            tier.release_promoted(req_id)
+
+    def release_all_kept(self) -> None:
+        for tier in self.tiers:
+            tier.release_all_kept()
+
+    # ------------------------------------------------------ jobs, reports
+    def take_jobs(self) -> tuple[TierJobs, ...]:
+        """This step's jobs, one :class:`TierJobs` per tier."""
+        return tuple(tier.take_jobs() for tier in self.tiers)
+
+    def on_reports(self, reports: dict[tuple[int, int], JobReport]) -> None:
+        """Reports summed over ranks, by (the tier's place, its job id)."""
+        by_tier: dict[int, dict[int, JobReport]] = defaultdict(dict)
+        for (place, job_id), report in reports.items():
+            by_tier[place][job_id] = report
+        for place, tier_reports in by_tier.items():
+            self.tiers[place].on_reports(tier_reports)
+
+    def on_found(self, found: Sequence[tuple[int, BlockKey]], scans_done: Sequence[int],
+                 ) -> None:
+        """Blocks kept from before a restart, by (the tier's place, key); the places of
+        the tiers a rank finished listing (once per rank)."""
+        keys: dict[int, list[BlockKey]] = defaultdict(list)
+        for place, key in found:
+            keys[place].append(key)
+        done = Counter(scans_done)
+        for place in sorted({*keys, *done}):
+            self.tiers[place].on_found(keys[place], done[place])
+
+    # ----------------------------------------------------- request's life
+    def request_finished(self, req_id: str) -> bool:
+        for tier in self.tiers:
+            tier.request_finished(req_id)
+        return False  # a tier never holds a request's device blocks
+
+    def reset(self) -> None:
+        for tier in self.tiers:
+            tier.reset()
+
+    def has_pending(self) -> bool:
+        return any(tier.has_pending() for tier in self.tiers)
