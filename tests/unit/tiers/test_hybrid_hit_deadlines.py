@@ -16,12 +16,9 @@ import threading
 
 import pytest
 
-from kvoffload_hal import vllm_compat
 from kvoffload_hal.tiers import registry
 from support.clock import FakeClock, install_clock
 from support.object_store_tier import ENTRY_POINT, STORES, ObjectStoreSpec
-
-CHECKS_FIRST = not vllm_compat.REPORTS_FAILED_RECVING
 
 BS = 16
 PAGE = BS * 128
@@ -51,10 +48,6 @@ def _finishes_within_the_deadline(engine, clock, req_id):
     return req_id in engine.finished
 
 
-@pytest.mark.xfail(CHECKS_FIRST, strict=True, reason=(
-    "vLLM < 0.32: the check that stopped for want of CPU room is forgotten by the lookup "
-    "that offers nothing (StagedHits.offer calls checks.forget), and the next lookup "
-    "starts a new check from the first block: the request waits for ever"))
 def test_a_hybrid_hit_on_a_full_cpu_tier_is_recomputed_within_a_deadline(make_engine,
                                                                          tmp_path):
     """Disk writes that never end hold every CPU block (as in the one-group test)."""
