@@ -31,7 +31,6 @@ class SoakConfig:
     warmup_s: float = 30.0
     fault_every_s: tuple[float, float] = (15.0, 40.0)
     fault_hold_s: float = 8.0
-    reread_after_s: float = 10.0  # a damaged (removed) prompt is asked again after
     request_deadline_s: float = 120.0
     sample_every_s: float = 2.0
     reference_share: float = 0.2  # of completed requests, replayed on the reference

@@ -26,6 +26,7 @@ from pathlib import Path
 from soak.config import SoakConfig, uses_disk, uses_mooncake
 
 FILLER = "filler.bin"
+PROMPT_BLOCKS = 11  # blocks of a new long prompt (FaultOps.new_prompt)
 DISK_FAULTS = ("enospc", "damage", "remove")
 MOONCAKE_FAULTS = ("mooncake_freeze", "mooncake_kill")
 
@@ -118,11 +119,15 @@ async def on_a_prompt_read_again(cfg: SoakConfig, rng: random.Random, ops, name:
     await asyncio.sleep(2)  # its blocks reach the disk
     hit = chosen(cfg.disk_path, rng, 0.3, since)
     n = damage(hit, rng) if name == "damage" else remove(hit)
-    await asyncio.sleep(cfg.reread_after_s)  # the device and the CPU tier forget it
+    # New long prompts, one at a time, until the device and the CPU tier forgot it
+    # (the disk tier, larger, still holds it).
+    flush = (cfg.device_blocks + cfg.cpu_blocks) // PROMPT_BLOCKS + 2
+    for _ in range(flush):
+        await ops.ask(ops.new_prompt(), max_tokens=1)
     again = await ops.ask(prompt)
     same = "the same" if again.tokens == first.tokens else "OTHER"
     return (f"{n} block files {'overwritten' if name == 'damage' else 'deleted'}; a prompt "
-            f"read again after {cfg.reread_after_s:g} s: {same} tokens")
+            f"read again after {flush} others: {same} tokens")
 
 
 async def inject(name: str, cfg: SoakConfig, rng: random.Random, master, ops) -> str:
