@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
+from kvoffload_hal.metadata import TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.cascade.base import TierNames
 from kvoffload_hal.scheduler.cascade.breaker import BreakerState, CircuitBreaker
 from kvoffload_hal.scheduler.cascade.index import TierIndex, _Entry
@@ -244,13 +244,6 @@ class SharedTierCascade(TierCascade):
             if spec is not None:
                 self._sent_at[spec.job_id] = now
         return jobs
-
-    def on_reports(self, reports: dict[int, JobReport]) -> None:
-        failed_blocks = sum(len(r.failed_keys) for j, r in reports.items()
-                            if (step := self._sent.get(j)) is not None
-                            and step.kind is not JobKind.PROBE)
-        self.stats.record_tier(self.names.name, failed=failed_blocks)
-        super().on_reports(reports)
 
     def _on_done(self, step: TierStep, tally: RankTally) -> None:
         if step.kind is not JobKind.PROBE:

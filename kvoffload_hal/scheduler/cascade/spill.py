@@ -107,6 +107,13 @@ class SpillCascade(NullCascade):
                                     for k, b in zip(j.keys, j.blocks)])
 
     def on_reports(self, reports: dict[int, JobReport]) -> None:
+        """Reports summed over ranks; the keys a write or a read failed on are counted
+        (``<name>_failed_blocks``), a probe's missing keys are answers."""
+        failed_blocks = sum(len(r.failed_keys) for j, r in reports.items()
+                            if (step := self._sent.get(j)) is not None
+                            and step.kind is not JobKind.PROBE)
+        if failed_blocks:
+            self.stats.record_tier(self.names.name, failed=failed_blocks)
         for job_id, report in reports.items():
             done = self._sent.report(job_id, report)
             if done is not None:

@@ -4,8 +4,6 @@ failed (a damaged or removed file). Found by the soak (benchmarks/soak.py): a ru
 a full tmpfs and damaged and removed block files logged the failures but the counter
 stayed at zero; only the shared tier's cascade (scheduler/cascade/shared.py) counts."""
 
-import pytest
-
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
 from kvoffload_hal.scheduler.cascade.base import TierNames
@@ -16,8 +14,6 @@ BS = 16
 DISK = TierNames("disk", "disk tier")
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler/cascade: TierCascade.on_reports does not "
-                   "record failed blocks (only SharedTierCascade does)")
 def test_a_failed_write_counts_in_disk_failed_blocks(make_engine):
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
