@@ -199,8 +199,8 @@ class OffloadScheduler:
                                  num_external_tokens: int) -> None:
         self.policy.on_allocated(request, len(blocks.get_block_ids()))
         self.room.on_allocated(request)
-        if not self.staged.plan(request.request_id, blocks, num_external_tokens):
-            self.loads.plan(request.request_id, blocks, num_external_tokens)
+        if not self.staged.on_allocated(request.request_id, blocks, num_external_tokens):
+            self.loads.on_allocated(request.request_id, blocks, num_external_tokens)
 
     # --------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:

@@ -136,9 +136,6 @@ class LoadJobs(RequestPart):
         self._busy.subtract(block_ids)
         self._busy = +self._busy
 
-    def is_busy(self, block_id: int) -> bool:
-        return block_id in self._busy
-
     def pin_device(self, gpu_ids: Iterable[int]) -> None:
         """Keep device blocks a copy writes ours, should the request be aborted mid-copy."""
         pin_ids(self._gpu_pool(), gpu_ids)
@@ -185,7 +182,8 @@ class LoadJobs(RequestPart):
         if pending is not None:
             self.cpu.unpin_hit(pending.blocks)
 
-    def plan(self, req_id: str, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def on_allocated(self, req_id: str, blocks: KVCacheBlocks, num_external_tokens: int,
+                     ) -> None:
         """vLLM allocated the request's device blocks: plan the load of what it accepted."""
         pending = self._pending_hits.pop(req_id, None)
         if pending is None:

@@ -2,9 +2,10 @@
 
 What a tier author never writes: the index of what the tier holds (:mod:`.index`,
 :mod:`.groups` for models with several KV cache groups, :mod:`.rebuild` after a
-restart), spills and their jobs (:mod:`.spill`), promotions (:mod:`.tier_cascade`),
-a shared tier's existence queries and circuit breaker (:mod:`.shared`,
-:mod:`.breaker`), hits longer than the CPU tier's room (:mod:`.staged`) and the
-lookahead for waiting requests (:mod:`.prefetch`). :mod:`.base` is the interface
-``scheduler/core.py`` calls; :mod:`.build` builds it from the tier's spec.
+restart), spills and their jobs (:mod:`.spill`), every read of its blocks into the CPU
+tier (:mod:`.reads`), promotions at a lookup (:mod:`.tier_cascade`), a shared tier's
+existence queries and circuit breaker (:mod:`.shared`, :mod:`.breaker`), hits longer
+than the CPU tier's room (:mod:`.staged`) and the lookahead for waiting requests
+(:mod:`.prefetch`). :mod:`.chain` is what ``scheduler/core.py`` calls: the tiers,
+nearest first; :mod:`.build` builds it from the tiers' specs.
 """

@@ -1,10 +1,10 @@
-"""The scheduler half's interface: what ``scheduler/core.py`` calls on a secondary tier.
+"""What one tier's scheduler half answers, each call doing nothing by default.
 
-Runs in the scheduler process. :class:`NullCascade` is the interface with every call
-doing nothing (no secondary tier, or one that cannot run for this model); the real
-one is :class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade`, built from
-the tier's :class:`~kvoffload_hal.tiers.spec.SchedulerHalf` by
-:func:`~kvoffload_hal.scheduler.cascade.build.build_cascade`.
+Runs in the scheduler process. :class:`NullCascade` is the base of every tier's
+machinery (:class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade`, built
+from the tier's :class:`~kvoffload_hal.tiers.spec.SchedulerHalf` by
+:func:`~kvoffload_hal.scheduler.cascade.build.build_chain`); ``scheduler/core.py``
+calls the chain of them, :class:`~kvoffload_hal.scheduler.cascade.chain.TierChain`.
 """
 
 from __future__ import annotations
@@ -35,11 +35,7 @@ class TierNames(NamedTuple):
 
 
 class NullCascade(RequestPart):
-    """No secondary tier: the scheduler's calls, each doing nothing.
-
-    The interface a secondary tier offers the scheduler, with
-    :class:`TierCascade` the real one.
-    """
+    """One tier's calls, each doing nothing (see the module docstring)."""
 
     stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)
     reads: TierReads | None = None  # every read of the tier's blocks (reads.py)

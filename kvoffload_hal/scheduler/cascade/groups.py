@@ -74,7 +74,7 @@ class GroupKeys:
                 return i
         return len(block_hashes)
 
-    def plan(self, block_hashes: Sequence[Any], readable: Callable[[BlockKey], bool],
+    def to_read(self, block_hashes: Sequence[Any], readable: Callable[[BlockKey], bool],
              in_cpu: Callable[[Any], bool], budget: int) -> list[Entry]:
         """The entries to promote for positions ``block_hashes`` (from the CPU hit's
         end on), at most ``budget``; see the module docstring."""

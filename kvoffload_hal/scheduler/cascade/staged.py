@@ -164,7 +164,8 @@ class StagedHits(RequestPart):
         staged.tier = [x for x in staged.tier if keep(x[0])]
 
     # --------------------------------------------------------- allocation
-    def plan(self, req_id: str, blocks: KVCacheBlocks, num_external_tokens: int) -> bool:
+    def on_allocated(self, req_id: str, blocks: KVCacheBlocks, num_external_tokens: int,
+                     ) -> bool:
         """vLLM allocated the request's device blocks: False when it has no staged hit."""
         staged = self._pending.pop(req_id, None)
         if staged is None:

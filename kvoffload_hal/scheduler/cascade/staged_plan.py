@@ -133,7 +133,7 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
     the tier's part of it is more than a promotion has room for; else why not.
 
     ``run``: the positions after the CPU hit ``hit``. A plain promotion would bring
-    every group's block at each position of the run (``GroupKeys.plan``); a staged hit
+    every group's block at each position of the run (``GroupKeys.to_read``); a staged hit
     brings only the blocks vLLM's lookup takes (``CpuTier.find_hit_with``)."""
     if cascade.held_for(req_id, promoting_only=True):
         return NotStaged.FITS  # its promotion (a prefetch) is in flight: the cascade waits
@@ -142,7 +142,7 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
     if cascade.reads.owners and any(cascade.reads.owned_by_another(key, req_id)
                                     for key in groups.keys(run)):
         return NotStaged.WAIT
-    wanted = groups.plan(run, index.is_ready, cpu.holds, len(run) * len(groups.groups))
+    wanted = groups.to_read(run, index.is_ready, cpu.holds, len(run) * len(groups.groups))
     if not wanted:
         return NotStaged.NOTHING
     # The room a promotion has once the CPU blocks of the hit and run are pinned.

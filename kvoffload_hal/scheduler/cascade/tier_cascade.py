@@ -113,14 +113,14 @@ class TierCascade(SpillCascade):
             return False
         positions = request.block_hashes[first_block:end_block]
         if self.room.held_back(kind):  # a kind before this one claims the room
-            return bool(self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
+            return bool(self.groups.to_read(positions, self.index.is_ready, self._in_cpu_soon,
                                          len(self.groups.groups)))
         # Blocks of the run already in the CPU tier stay there while room is made.
         held = self.cpu.cached(h for bh in positions for _, h in self.groups.at(bh))
         self.cpu.pin(held)
         try:
             # A block another request's read brings counts as on its way.
-            chosen = self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
+            chosen = self.groups.to_read(positions, self.index.is_ready, self._in_cpu_soon,
                                       self.room.grant(kind, max_blocks))
             if not chosen:
                 return (self._waits_for_others(req_id, positions)
@@ -148,7 +148,7 @@ class TierCascade(SpillCascade):
         again when they end, its ``own`` blocks (hit and run) kept until then. As a miss
         it would recompute its whole prompt whenever the last spills had not been
         collected yet (an offline engine stops stepping after its last request)."""
-        if not self.groups.plan(positions, self.index.is_ready, self._in_cpu_soon,
+        if not self.groups.to_read(positions, self.index.is_ready, self._in_cpu_soon,
                                 len(self.groups.groups)):
             return False  # nothing to promote, whatever the room
         # Loads and stores hold fresh blocks or other requests' hits; a spill of the

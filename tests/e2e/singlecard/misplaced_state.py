@@ -13,7 +13,7 @@ from kvoffload_hal.scheduler import load_jobs
 
 def misplace_state_loads(monkeypatch) -> list[str]:
     """Patch the load planner; the ids of the requests given another state."""
-    plan = load_jobs.LoadJobs.plan
+    plan = load_jobs.LoadJobs.on_allocated
     swapped: list[str] = []
 
     def misplacing_plan(self, req_id, blocks, num_external_tokens):
@@ -26,7 +26,7 @@ def misplace_state_loads(monkeypatch) -> list[str]:
             self._pending_hits[req_id] = pending._replace(blocks=tuple(hit))
         return plan(self, req_id, blocks, num_external_tokens)
 
-    monkeypatch.setattr(load_jobs.LoadJobs, "plan", misplacing_plan)
+    monkeypatch.setattr(load_jobs.LoadJobs, "on_allocated", misplacing_plan)
     return swapped
 
 

@@ -12,7 +12,7 @@ def _key(pos, group):
 
 
 def _plan(groups, readable, in_cpu=(), budget=100):
-    return [k for k, _ in groups.plan(POSITIONS, readable.__contains__,
+    return [k for k, _ in groups.to_read(POSITIONS, readable.__contains__,
                                       lambda h: h.hex() in in_cpu, budget)]
 
 
