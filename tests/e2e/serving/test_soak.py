@@ -27,9 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 pytestmark = [pytest.mark.e2e, pytest.mark.two_cores]
 
 SHORT_LANE = "0.32."
-# The scheduler does not count a local tier's failed blocks yet (disk_failed_blocks
-# stays 0): tests/unit/tiers/test_local_tier_failed_blocks.py, a strict xfail until then.
-KNOWN = {"tier: reserved - written <= failed blocks"}
 
 
 def _lane_skip() -> str | None:
@@ -53,7 +50,7 @@ def test_a_short_soak_under_faults_stays_correct_and_leaks_nothing(tiny_model_di
                      sample_every_s=1.0, reference_share=0.3, max_reference=40,
                      faults=("enospc", "damage", "remove", "burst"), fault_rounds=1)
     result = run(cfg, tiny_model_dir)
-    failed = [c for c in result.checks if not c.ok and c.name not in KNOWN]
+    failed = [c for c in result.checks if not c.ok]
     assert not failed, result.table()
     assert {f.name for f in result.faults} == {"enospc", "damage", "remove", "burst"}, \
         result.table()
