@@ -76,7 +76,7 @@ class SoakProbeConnector(HALOffloadConnector):
     def _count_evictions(self) -> None:
         cpu = self.scheduler.cpu
         self._count(cpu, "publish", "cpu_published", lambda args, _: len(args[0]))
-        index = getattr(self.scheduler.cascade, "index", None)
+        index = getattr(self.scheduler.tiers.nearest, "index", None)
         if index is not None:
             self._count(index, "reserve", "tier_reserved", lambda _, accepted: len(accepted))
         self._count(cpu.pool, "_maybe_evict_cached_block", "cpu_evicted",
@@ -90,7 +90,7 @@ class SoakProbeConnector(HALOffloadConnector):
         sched = self.scheduler
         cpu = sched.cpu
         blocks = cpu.pool.blocks[:cpu.num_blocks]
-        index = getattr(sched.cascade, "index", None)
+        index = getattr(sched.tiers.nearest, "index", None)
         return {
             "t": time.time(), "step_hook_s": steps, **self._counts,
             "cpu_resident": sum(1 for b in blocks if b.block_hash is not None),
