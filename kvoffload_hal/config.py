@@ -67,8 +67,10 @@ room``                              step) while the device's free blocks, less i
 Each secondary tier owns its keys and documents them: the disk tier
 (``disk_path``, ``disk_bytes_to_use``, ``disk_o_direct``) in
 :mod:`kvoffload_hal.tiers.disk`, the Mooncake tier (``mooncake_*``) in
-:mod:`kvoffload_hal.tiers.mooncake.config`; at most one tier runs
-(:mod:`kvoffload_hal.tiers.registry`).
+:mod:`kvoffload_hal.tiers.mooncake.config`. Every tier turned on runs, in a chain behind
+the CPU tier, nearest first: ``tiers`` (a list of tier names) gives the order, by
+default tiers only this instance writes before tiers shared across instances
+(:func:`kvoffload_hal.tiers.registry.parse_tiers`).
 
 Validated once at start-up: a wrong type or range raises ``ValueError`` naming the
 key, the value and what was expected; unknown keys give one warning listing the
