@@ -11,7 +11,7 @@ after its last request finished:
 * vLLM >= 0.32 asks :meth:`ExitFlush.steps_for_writes` through
   ``has_pending_push_work``: the engine core steps while it is true, also in its
   shutdown, before it stops the workers;
-* older vLLM (:meth:`~kvoffload_hal.vllm_strategy.VllmStrategy.holds_last_request`)
+* older vLLM (:meth:`~kvoffload_hal.capabilities.VllmStrategy.holds_last_request`)
   steps an idle engine only for a finished request whose blocks a
   connector still holds, so the request that finished last is held
   (``request_finished`` answers that its blocks are freed later) while writes
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvoffload_hal.vllm_strategy import VllmStrategy
+    from kvoffload_hal.capabilities import VllmStrategy
 
 # The engine core's process as vLLM names it ("EngineCore", "EngineCore_DP<n>").
 ENGINE_CORE_PROCESS = "EngineCore"

@@ -7,7 +7,7 @@ builds patch vLLM at run time, and a feature check follows what is really there.
 The helpers here smooth over differences of API shape (the same thing, reached
 another way). Where the connector must *behave* differently on older vLLM (how a
 failed load is recovered, whether the last request is held for the last writes,
-whether landed loads are tracked), :mod:`kvoffload_hal.vllm_strategy` decides,
+whether landed loads are tracked), :mod:`kvoffload_hal.capabilities` (its ``VllmStrategy``) decides,
 once per model, from the flags below; the rest of the package calls the strategy
 (``caps.vllm``) and these helpers, and tests no release itself.
 
@@ -21,7 +21,7 @@ what                               missing before      here
                                                        reported per block for one KV
                                                        cache group only; with more,
                                                        a failed load is sent again
-                                                       (``vllm_strategy``)
+                                                       (``capabilities``)
 ``get_kv_cache_coordinator``       (changed)           :func:`make_coordinator` passes
 keyword arguments                                      the arguments the factory names
 ``find_longest_cache_hit``         (2 values, not 3)   :func:`find_longest_cache_hit`
@@ -41,10 +41,10 @@ by source)                                             connector's hits count as
 ``has_pending_push_work``          0.32 (never         :data:`STEPS_FOR_PUSH_WORK`:
                                    called before)      before, the last request is held
                                                        for the last writes
-                                                       (``exit_flush``, ``vllm_strategy``)
+                                                       (``exit_flush``, ``capabilities``)
 ``Scheduler._holds_kv_blocks``     0.32                :func:`block_holders_first`:
 (requests holding blocks first)                        before, landed loads are tracked
-                                                       (``vllm_strategy``)
+                                                       (``capabilities``)
 ``has_positionally_stable_blocks``  0.32                :func:`positionally_stable`:
 (Mamba 'align' state)                                  older managers keep a block per
                                                        position

@@ -29,7 +29,7 @@ the next request's own hit or recompute.
 
 A failed load is recomputed by vLLM. Where vLLM cannot be told per request
 (vLLM < 0.32, a model with several KV cache groups; see
-:class:`~kvoffload_hal.capabilities.LoadRecovery`), the load is sent again
+:meth:`~kvoffload_hal.capabilities.VllmStrategy.on_failed_loads`), the load is sent again
 (the workers withhold a failed request from ``finished_recving``), and after
 :data:`MAX_LOAD_ATTEMPTS` the engine stops with an error, before any of its
 blocks is read.
@@ -59,9 +59,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.outputs import KVConnectorOutput
 
+    from kvoffload_hal.capabilities import VllmStrategy
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
-    from kvoffload_hal.vllm_strategy import VllmStrategy
 
 
 @dataclass

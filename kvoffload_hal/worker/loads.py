@@ -15,9 +15,9 @@
   (with load recovery ``retry`` the engine stops instead: the hit was checked first).
 
 How an asynchronous load's end is reported depends on the vLLM release and the
-model: :meth:`~kvoffload_hal.vllm_strategy.VllmStrategy.settle_load` and
-:meth:`~kvoffload_hal.vllm_strategy.VllmStrategy.settle_staged_hit` decide, and
-report through this object's :class:`~kvoffload_hal.vllm_strategy.LoadSink` methods.
+model: :meth:`~kvoffload_hal.capabilities.VllmStrategy.settle_load` and
+:meth:`~kvoffload_hal.capabilities.VllmStrategy.settle_staged_hit` decide, and
+report through this object's :class:`~kvoffload_hal.capabilities.LoadSink` methods.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class LoadOutcomes:
     def forget(self, finished_req_ids: set[str]) -> None:
         self._reported.difference_update(finished_req_ids)
 
-    # ---------------------------------------------- LoadSink (vllm_strategy.py)
+    # ---------------------------------------------- LoadSink (capabilities.py)
     def finish(self, req_ids: Iterable[str]) -> None:
         self.finished.update(req_ids)
 

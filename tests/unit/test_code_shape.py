@@ -5,8 +5,8 @@ Files under 400 lines, functions under 60, classes under 250, in
 ``kvoffload_hal/`` and ``backends/``; split by job when one grows past that.
 
 What the connector does differently on older vLLM is decided by the strategy that
-``capabilities.py`` picks (``vllm_strategy.py``), from the flags of
-``vllm_compat.py``; everywhere else calls the strategy's methods. A *version
+``capabilities.py`` holds and picks, from the flags of ``vllm_compat.py``; everywhere
+else calls the strategy's methods. A *version
 branch* is, in the code (the syntax tree: not in docstrings or comments):
 
 * a member of ``LoadRecovery`` (``LoadRecovery.RETRY``, ...);
@@ -32,12 +32,8 @@ BEHAVIOUR_FLAGS = frozenset({
     "HAS_TRANSFER_RESULTS", "REPORTS_FAILED_RECVING", "STEPS_FOR_PUSH_WORK",
     "SLEEP_WITH_CONNECTORS", "HOST_HIT_SOURCE", "block_holders_first", "failed_recving",
 })
-# Where the release is known: the flags, the strategy, and where it is chosen.
-VERSION_AWARE = frozenset({"kvoffload_hal/vllm_compat.py", "kvoffload_hal/vllm_strategy.py",
-                           "kvoffload_hal/capabilities.py"})
-# Still branching, until they call the strategy; an entry that no longer branches fails
-# test_the_pending_list_only_names_files_that_still_branch: take it off then.
-PENDING: tuple[str, ...] = ()
+# Where the release is known: the flags, and the strategy where it is chosen.
+VERSION_AWARE = frozenset({"kvoffload_hal/vllm_compat.py", "kvoffload_hal/capabilities.py"})
 
 
 def _sources():
@@ -94,10 +90,6 @@ def version_branches(path: Path, root: Path = ROOT) -> list[str]:
     return found
 
 
-def _pending(where: str) -> bool:
-    return any(where == p or (p.endswith("/") and where.startswith(p)) for p in PENDING)
-
-
 def test_the_version_branch_finder_sees_each_kind(tmp_path):
     sample = tmp_path / "kvoffload_hal" / "sample.py"
     sample.parent.mkdir()
@@ -117,15 +109,8 @@ def test_the_version_branch_finder_sees_each_kind(tmp_path):
 
 def test_no_version_branch_outside_the_strategy():
     found = [b for p in sorted((ROOT / "kvoffload_hal").rglob("*.py"))
-             if (where := p.relative_to(ROOT).as_posix()) not in VERSION_AWARE
-             and not _pending(where) for b in version_branches(p)]
-    assert not found, ("a vLLM-version branch outside vllm_strategy.py (call a method of "
+             if p.relative_to(ROOT).as_posix() not in VERSION_AWARE
+             for b in version_branches(p)]
+    assert not found, ("a vLLM-version branch outside capabilities.py (call a method of "
                        "caps.vllm instead):\n" + "\n".join(found))
 
-
-@pytest.mark.parametrize("pending", PENDING)
-def test_the_pending_list_only_names_files_that_still_branch(pending):
-    paths = ([ROOT / pending] if not pending.endswith("/")
-             else sorted((ROOT / pending).rglob("*.py")))
-    assert any(version_branches(p) for p in paths if p.exists()), (
-        f"{pending} has no vLLM-version branch left: take it off PENDING")

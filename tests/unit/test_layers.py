@@ -43,7 +43,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("copy contract", frozenset({"hal"})),
     ("plug-in families", frozenset({"tiers", "eviction", "backends"})),
     ("messages and settings", frozenset({"metadata", "metrics", "config"})),
-    ("vLLM strategy", frozenset({"vllm_strategy"})),
     ("capabilities", frozenset({"capabilities"})),
     ("sides", frozenset({"scheduler", "worker", "exit_flush"})),
     ("facade", frozenset({"connector", "plugin", "selfcheck", "demo"})),

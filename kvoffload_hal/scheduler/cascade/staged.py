@@ -31,9 +31,9 @@ the request); so is the rest of a hit whose read meets its deadline (no CPU room
 offered no hit again.
 
 Staging serves any model on any tier. Where vLLM cannot be told that a load of several
-groups failed (vLLM < 0.32, ``LoadRecovery.RETRY``), a check reads the hit's tier blocks
-once before it is offered, so a failed block ends the hit there before vLLM allocates
-(:mod:`.staged_check`); a failure after that offer stops the engine before any block of
+groups failed (vLLM < 0.32: ``caps.vllm.checks_staged_hits_first()``), a check reads the
+hit's tier blocks once before it is offered, so a failed block ends the hit there before
+vLLM allocates (:mod:`.staged_check`); a failure after that offer stops the engine before any block of
 the hit is read. On a tier shared across instances the run is what an existence
 query found (the first lookup asks, the next one stages); a hit is staged only while
 the tier's circuit breaker is closed, and a read that does not land within the tier's
@@ -69,12 +69,12 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvoffload_hal.capabilities import VllmStrategy
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cascade.chain import TierChain
     from kvoffload_hal.scheduler.cascade.reads import Entry, TierRead
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.scheduler.load_jobs import LoadJobs
-    from kvoffload_hal.vllm_strategy import VllmStrategy
 
 
 

@@ -1,9 +1,9 @@
 """Staged hits read once before they are offered, where vLLM cannot recompute a failed load.
 
 vLLM < 0.32 is told of a failed load of a model with several KV cache groups neither
-per block nor per request (``LoadRecovery.RETRY``): once a staged hit is offered and its
-device blocks are allocated, nothing it brings may fail. There, before a lookup offers
-a staged hit, a *check* reads the hit's tier blocks once through the CPU tier, part by
+per block nor per request (a failed load is sent again there): once a staged hit is
+offered and its device blocks are allocated, nothing it brings may fail. There, before a
+lookup offers a staged hit, a *check* reads the hit's tier blocks once through the CPU tier, part by
 part (as many as the CPU tier has free blocks for at each step), every read checked as
 a promotion's is; the lookup asks again later meanwhile.
 
