@@ -33,8 +33,8 @@ offered no hit again.
 Staging serves any model on any tier. Where vLLM cannot be told that a load of several
 groups failed (vLLM < 0.32: ``caps.vllm.checks_staged_hits_first()``), a check reads the
 hit's tier blocks once before it is offered, so a failed block ends the hit there before
-vLLM allocates (:mod:`.staged_check`); a failure after that offer stops the engine before any block of
-the hit is read. On a tier shared across instances the run is what an existence
+vLLM allocates (:mod:`.staged_check`); a failure after that offer stops the engine
+before any block of the hit is read. On a tier shared across instances the run is what an existence
 query found (the first lookup asks, the next one stages); a hit is staged only while
 the tier's circuit breaker is closed, and a read that does not land within the tier's
 wait ends the hit there, as does a block that vanished from the store between the query
