@@ -13,6 +13,7 @@ checks every KV read.
 """
 
 from support.disk_files import flip_a_byte_of_block
+from support.serving_rig import document, serve
 
 BS = 16
 PAGE = BS * 128  # one harness block: 16 tokens x 128 bytes of K and V
@@ -20,14 +21,11 @@ DOC_BLOCKS = 20
 
 
 def _doc(seed):
-    return [(seed * 7 + i) % 89 + 1 for i in range(DOC_BLOCKS * BS + 1)]
+    return document(seed, DOC_BLOCKS)
 
 
 def _serve(engine, *requests):
-    reqs = [engine.add(req_id, prompt) for req_id, prompt in requests]
-    engine.run_until_done(max_steps=3000)
-    engine.drain()
-    return reqs
+    return serve(engine, *requests, max_steps=3000)
 
 
 def _off_the_device_and_cpu(engine, seed):

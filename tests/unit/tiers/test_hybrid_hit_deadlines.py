@@ -19,6 +19,7 @@ import pytest
 from kvoffload_hal.tiers import registry
 from support.clock import FakeClock, install_clock
 from support.object_store_tier import ENTRY_POINT, STORES, ObjectStoreSpec
+from support.serving_rig import serve
 
 BS = 16
 PAGE = BS * 128
@@ -28,15 +29,12 @@ DEADLINE_STEPS = int(30 / STEP_S)
 GROUPS = dict(sliding_window=32, full_groups=2, sliding_groups=2)
 
 
+def _serve(engine, *requests):
+    return serve(engine, *requests, max_steps=3000)
+
+
 def _doc(seed, blocks):
     return [(seed * 7 + i) % 89 + 1 for i in range(blocks * BS + 1)]
-
-
-def _serve(engine, *requests):
-    for req_id, prompt in requests:
-        engine.add(req_id, prompt)
-    engine.run_until_done(max_steps=3000)
-    engine.drain()
 
 
 def _finishes_within_the_deadline(engine, clock, req_id):

@@ -9,6 +9,7 @@ import pytest
 
 from kvoffload_hal.tiers import registry
 from support.object_store_tier import ENTRY_POINT, STORES
+from support.serving_rig import serve
 
 BS = 16
 DOC_BLOCKS = 20
@@ -27,6 +28,10 @@ def object_store(monkeypatch):
     STORES.clear()
 
 
+def _serve(engine, *requests):
+    return serve(engine, *requests)
+
+
 def _engine(make_engine, cpu_blocks, **extra):
     return make_engine(cpu_blocks=cpu_blocks, num_gpu_blocks=2 * DOC_BLOCKS + 8,
                        max_num_batched_tokens=4 * BS,
@@ -35,13 +40,6 @@ def _engine(make_engine, cpu_blocks, **extra):
 
 def _doc(seed):
     return [(seed * 11 + i * 3) % 89 + 1 for i in range(DOC_BLOCKS * BS + 1)]
-
-
-def _serve(engine, *requests):
-    for req_id, prompt in requests:
-        engine.add(req_id, prompt)
-    engine.run_until_done()
-    engine.drain()
 
 
 def _count(engine, key):

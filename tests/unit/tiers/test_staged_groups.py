@@ -15,6 +15,7 @@ import pytest
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.capabilities import LoadFailedError
 from support.disk_files import flip_a_byte_of_block
+from support.serving_rig import document, serve
 
 CHECKS_FIRST = not vllm_compat.REPORTS_FAILED_RECVING
 
@@ -25,6 +26,14 @@ CPU_BLOCKS = 12  # a plain promotion of a document needs 4 x 20 blocks
 FULL, SLIDING, WINDOW_BLOCKS = 2, 2, 2
 HIT_BLOCKS = FULL * DOC_BLOCKS + SLIDING * WINDOW_BLOCKS  # what the hit needs: 44
 
+def _doc(seed):
+    return document(seed, DOC_BLOCKS)
+
+
+def _serve(engine, *requests):
+    return serve(engine, *requests, max_steps=3000)
+
+
 def _engine(make_engine, tmp_path, **kwargs):
     # Prefill 2 positions per step: each step's 8 blocks fit the CPU tier on their way
     # to the disk.
@@ -33,17 +42,6 @@ def _engine(make_engine, tmp_path, **kwargs):
                        max_num_batched_tokens=2 * BS, extra_config={
                            "disk_path": str(tmp_path / "kv"),
                            "disk_bytes_to_use": 1024 * PAGE}, **kwargs)
-
-
-def _doc(seed):
-    return [(seed * 7 + i) % 89 + 1 for i in range(DOC_BLOCKS * BS + 1)]
-
-
-def _serve(engine, *requests):
-    reqs = [engine.add(req_id, prompt) for req_id, prompt in requests]
-    engine.run_until_done(max_steps=3000)
-    engine.drain()
-    return reqs
 
 
 def _on_disk_only(engine, doc):

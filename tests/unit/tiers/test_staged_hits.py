@@ -9,11 +9,20 @@ import threading
 import time
 
 from support.disk_files import flip_a_byte_of_block, flip_a_byte_of_every_block
+from support.serving_rig import document, serve
 
 BS = 16
 PAGE = BS * 128  # one harness block: 16 tokens x 128 bytes of K and V
 DOC_BLOCKS = 20
 CPU_BLOCKS = 6  # far fewer than a document's blocks
+
+
+def _doc(seed):
+    return document(seed, DOC_BLOCKS)
+
+
+def _serve(engine, *requests):
+    return serve(engine, *requests)
 
 
 def _engine(make_engine, tmp_path, num_gpu_blocks=24, **kwargs):
@@ -22,17 +31,6 @@ def _engine(make_engine, tmp_path, num_gpu_blocks=24, **kwargs):
                        max_num_batched_tokens=4 * BS, extra_config={
                            "disk_path": str(tmp_path / "kv"),
                            "disk_bytes_to_use": 256 * PAGE}, **kwargs)
-
-
-def _doc(seed):
-    return [(seed * 7 + i) % 89 + 1 for i in range(DOC_BLOCKS * BS + 1)]
-
-
-def _serve(engine, *requests):
-    reqs = [engine.add(req_id, prompt) for req_id, prompt in requests]
-    engine.run_until_done()
-    engine.drain()
-    return reqs
 
 
 def _on_disk_only(engine, *docs):
