@@ -28,6 +28,7 @@ Writes ``gpu_long_doc_qa.{md,json,png}`` to ``--out-dir``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import random
@@ -149,8 +150,8 @@ class CopyMeter:
             def counted():
                 stats = original()
                 if stats is not None:
-                    for key, value in stats.reduce().items():
-                        self.sums[key] = self.sums.get(key, 0) + value
+                    stats.data = as_sent(stats.data)
+                    add_upstream_ops(self.sums, stats.data)
                 return stats
 
             worker.get_kv_connector_stats = counted
@@ -164,6 +165,23 @@ class CopyMeter:
 def copy_totals_hal(data: dict) -> dict[str, float]:
     return dict(load_bytes=data.get("bytes_loaded", 0), load_s=data.get("load_seconds", 0.0),
                 store_bytes=data.get("bytes_stored", 0), store_s=data.get("store_seconds", 0.0))
+
+
+def as_sent(data: dict) -> dict:
+    """vLLM's per-copy records as another process receives them: dicts. In one process
+    (``LLM`` runs the engine in its own) they stay dataclasses, which vLLM 0.23's own
+    ``reduce()`` and Prometheus logger refuse (``assert isinstance(op, dict)``)."""
+    return {kind: [op if isinstance(op, dict) else dataclasses.asdict(op) for op in ops]
+            for kind, ops in data.items()}
+
+
+def add_upstream_ops(sums: dict, data: dict) -> None:
+    """Add the records (``{"CPU_to_GPU": [{"op_size", "op_time"}, ...]}``) to ``sums``
+    under the names of vLLM's ``reduce()``."""
+    for kind, ops in data.items():
+        for op in ops:
+            sums[f"{kind}_total_bytes"] = sums.get(f"{kind}_total_bytes", 0) + op["op_size"]
+            sums[f"{kind}_total_time"] = sums.get(f"{kind}_total_time", 0.0) + op["op_time"]
 
 
 def copy_totals_upstream(sums: dict) -> dict[str, float]:
@@ -282,14 +300,19 @@ def main(argv: list[str] | None = None) -> None:
     shape = SHAPES[args.shape]
     model = build_tiny_llama(f"{args.model_dir}-{args.shape}", shape)
     vocab = len(AutoTokenizer.from_pretrained(model))
-    rows = [row for config in args.configs
-            for row in run_config(config, args, shape, model, vocab)]
+    rows, failed = [], []
+    for config in args.configs:  # one engine failing leaves the others' rows
+        try:
+            rows += run_config(config, args, shape, model, vocab)
+        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+            print(f"{config} failed: {e!r}", flush=True)
+            failed.append(f"{config}: {type(e).__name__}: {e}")
     setup = (f"{args.shape} shape, random bf16 weights (vocabulary {vocab}), block "
              f"{BLOCK_SIZE} tokens = {block_bytes(shape) >> 10} KiB KV; "
              f"{args.document_length}-token documents, {OUTPUT_TOKENS} output tokens; device "
              f"cache {DEVICE_DOCS} documents, CPU tier {CPU_DOCS} documents "
              f"({cpu_bytes(shape, args.document_length) / 2**30:.2f} GiB) for both connectors")
-    table = format_table(rows)
+    table = format_table(rows) + "".join(f"\n\nFailed: {f}" for f in failed)
     print(setup + "\n\n" + table)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gpu_long_doc_qa.md").write_text(

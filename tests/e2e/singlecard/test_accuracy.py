@@ -3,8 +3,19 @@
 The device cache holds fewer blocks than the documents need, so every document
 is evicted from the device between its first and its second use. Without the
 connector the second use recomputes everything (``num_cached_tokens == 0``);
-with it, the prefix comes back from the CPU tier (``num_cached_tokens > 0``) and
-the tokens and logprobs must match the baseline exactly.
+with it, the prefix comes back from the CPU tier (``num_cached_tokens > 0``).
+
+Two references, both without the connector:
+
+- ``device_cached``: a device cache that holds every document, so the second use
+  reads the same prefix from the device. The connector's outputs equal it to the
+  bit (tokens and logprobs) on every platform: the KV came back unchanged.
+- ``baseline``: the small device cache, every second use recomputed. On vLLM's CPU
+  platform the tokens are identical and the logprobs within 1e-4. A GPU's bf16
+  attention rounds a prefill after a cached prefix differently from a whole one:
+  on an H200 (FlashAttention 3) the logprobs moved by up to 0.034 and one near-tied
+  first token flipped, while the outputs equalled ``device_cached`` to the bit.
+  There the recompute is not the reference.
 """
 
 import os
@@ -67,9 +78,26 @@ def baseline(tiny_model_dir):
     return outputs
 
 
-def _check_against_baseline(outputs, summary, baseline):
-    for i, ((cached, tokens, logprobs), (_, base_tokens, base_logprobs)) in enumerate(
-            zip(outputs, baseline)):
+@pytest.fixture(scope="module")
+def device_cached(tiny_model_dir):
+    outputs, _ = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS * 4))
+    # Every second use reads its 5 full blocks from the device, as the connector's do.
+    assert all(cached == 5 * 32 for cached, _, _ in outputs[NUM_DOCS:])
+    return outputs
+
+
+def _recompute_is_exact() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _check_against_baseline(outputs, summary, baseline, device_cached):
+    for i, ((_, tokens, logprobs), (_, ref_tokens, ref_logprobs)) in enumerate(
+            zip(outputs, device_cached)):
+        assert (tokens, logprobs) == (ref_tokens, ref_logprobs), f"request {i}: not bit-exact"
+    for i, ((_, tokens, logprobs), (_, base_tokens, base_logprobs)) in enumerate(
+            zip(outputs, baseline if _recompute_is_exact() else [])):
         assert tokens == base_tokens, f"request {i}: tokens differ"
         assert logprobs == pytest.approx(base_logprobs, abs=1e-4), f"request {i}: logprobs differ"
     second_pass = [cached for cached, _, _ in outputs[NUM_DOCS:]]
@@ -83,10 +111,10 @@ def _check_against_baseline(outputs, summary, baseline):
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_outputs_identical_and_served_from_cpu(tiny_model_dir, baseline, lazy):
+def test_outputs_identical_and_served_from_cpu(tiny_model_dir, baseline, device_cached, lazy):
     outputs, summary = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS,
                                        offload=True, lazy_offload=lazy))
-    _check_against_baseline(outputs, summary, baseline)
+    _check_against_baseline(outputs, summary, baseline, device_cached)
 
 
 def _accelerator_missing(kind: str) -> str | None:
@@ -101,17 +129,18 @@ def _accelerator_missing(kind: str) -> str | None:
 
 @pytest.mark.parametrize("kind", [pytest.param("cuda", marks=pytest.mark.cuda),
                                   pytest.param("npu", marks=pytest.mark.npu)])
-def test_accelerator_singlecard_accuracy(tiny_model_dir, baseline, kind, monkeypatch):
+def test_accelerator_singlecard_accuracy(tiny_model_dir, baseline, device_cached, kind,
+                                        monkeypatch):
     """The same accuracy check with the vendor backend on a real device."""
     reason = _accelerator_missing(kind)
     if reason is not None:
         pytest.skip(reason)
     monkeypatch.setenv("KVOFFLOAD_HAL_BACKEND", kind)
     outputs, summary = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
-    _check_against_baseline(outputs, summary, baseline)
+    _check_against_baseline(outputs, summary, baseline, device_cached)
 
 
-def test_canary_corrupted_loads_change_outputs(tiny_model_dir, baseline, monkeypatch):
+def test_canary_corrupted_loads_change_outputs(tiny_model_dir, device_cached, monkeypatch):
     """The comparison above can fail: damaged KV from the CPU tier changes tokens.
     With ``KVOFFLOAD_HAL_BACKEND=cuda`` (an engine on a GPU) the CUDA backend damages."""
     from kvoffload_hal.hal import register_backend
@@ -126,12 +155,13 @@ def test_canary_corrupted_loads_change_outputs(tiny_model_dir, baseline, monkeyp
     monkeypatch.syspath_prepend(__file__.rsplit("/", 1)[0])
     outputs, _ = _run(EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, offload=True))
     assert all(c > 0 for c, _, _ in outputs[NUM_DOCS:])
-    differing = sum(tok != base for (_, tok, _), (_, base, _) in
-                    zip(outputs[NUM_DOCS:], baseline[NUM_DOCS:]))
+    differing = sum(tok != ref for (_, tok, _), (_, ref, _) in
+                    zip(outputs[NUM_DOCS:], device_cached[NUM_DOCS:]))
     assert differing > 0
 
 
-def test_disk_tier_serves_prefixes_evicted_from_device_and_cpu(tiny_model_dir, baseline, tmp_path):
+def test_disk_tier_serves_prefixes_evicted_from_device_and_cpu(tiny_model_dir, baseline,
+                                                               device_cached, tmp_path):
     block_bytes = 2 * 32 * 2 * 128 * 2  # layers x tokens x heads x (K+V)·head_dim x bf16
     spec = EngineSpec(tiny_model_dir, num_gpu_blocks=DEVICE_BLOCKS, offload=True,
                       cpu_bytes_to_use=12 * block_bytes,  # ~2 of the 8 documents
@@ -142,5 +172,6 @@ def test_disk_tier_serves_prefixes_evicted_from_device_and_cpu(tiny_model_dir, b
     # The CPU tier cannot hold the 40 blocks of the first pass, so most of the
     # second pass came back from disk (promoted to the CPU tier, then loaded).
     assert totals["blocks_from_disk"] >= NUM_DOCS * 5 - 12
-    _check_against_baseline(outputs, summary, baseline)
+    _check_against_baseline(outputs, summary, baseline, device_cached)
+
 

@@ -94,3 +94,24 @@ def test_the_plot_is_written(tmp_path):
             for n in (8, 16) for k, c in enumerate(gpu_qa.CONFIGS)]
     gpu_qa.plot(rows, tmp_path / "p.png", "title")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_upstream_copy_records_are_counted_as_another_process_would_send_them():
+    """In one process vLLM 0.23's per-copy records are dataclasses, which its own
+    ``reduce()`` and Prometheus logger refuse; the meter hands them on as dicts."""
+    metrics = pytest.importorskip(
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics")
+    if not hasattr(metrics.OffloadingConnectorStats, "record_transfer"):
+        pytest.skip("this vLLM's OffloadingConnectorStats keeps no per-copy records")
+    stats = metrics.OffloadingConnectorStats()
+    stats.record_transfer(100, 0.5, ("CPU", "GPU"))
+    stats.record_transfer(50, 0.25, ("CPU", "GPU"))
+    stats.record_transfer(7, 1.0, ("GPU", "CPU"))
+    with pytest.raises(AssertionError):
+        stats.reduce()
+    stats.data = gpu_qa.as_sent(stats.data)
+    sums = {}
+    gpu_qa.add_upstream_ops(sums, stats.data)
+    assert sums == stats.reduce()
+    assert gpu_qa.copy_totals_upstream(sums) == dict(load_bytes=150, load_s=0.75,
+                                                     store_bytes=7, store_s=1.0)
