@@ -1,16 +1,17 @@
 """Soak: the served connector under concurrent streaming load and random faults.
 
-Starts vLLM's OpenAI server on its CPU platform with the connector (CPU tier and
-the secondary tier of ``soak/config.py``'s :func:`tier_config`) and a reference
-server without it, drives mixed streaming clients for ``--minutes`` while faults
-are injected (a full tmpfs under ``disk_path``, block files damaged or removed, a
-burst larger than the device and the CPU tier, the Mooncake master frozen or
-killed when that tier runs), then prints a table: tokens against the reference,
-errors and hangs, leak slopes per 1000 requests, counter balance, faults seen,
-the scheduler hooks' p50/p99 per step. Writes table.md, samples.jsonl, soak.png
+Starts vLLM's OpenAI server on its CPU platform with the connector (the CPU tier
+and the secondary tiers of ``soak/config.py``'s :func:`tier_config`: by default the
+chain CPU -> disk -> Mooncake) and a reference server without it, drives mixed
+streaming clients for ``--minutes`` while faults are injected (a full tmpfs under
+``disk_path``, block files damaged or removed, a burst larger than the device and
+the CPU tier, the Mooncake master frozen or killed when the Mooncake tier runs),
+then prints a table: tokens against the reference, errors and hangs, leak slopes
+per 1000 requests, counter balance per tier, faults seen, the scheduler hooks'
+p50/p99 per step. Writes table.md, samples.jsonl, soak.png
 and lscpu.txt to ``--out``. Mounting the tmpfs needs root (else no ENOSPC fault).
 
-    python benchmarks/soak.py --minutes 30 [--clients 6] [--tiers disk|mooncake]
+    python benchmarks/soak.py --minutes 30 [--clients 6] [--tiers chain|disk|mooncake]
                               [--out docs/benchmarks/soak] [--seed 0]
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from soak.config import SoakConfig  # noqa: E402
+from soak.config import TIER_CHOICES, SoakConfig  # noqa: E402
 from soak.driver import run  # noqa: E402
 from soak.report import write  # noqa: E402
 
@@ -35,7 +36,8 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiers", choices=("disk", "mooncake"), default="disk")
+    parser.add_argument("--tiers", choices=tuple(TIER_CHOICES), default="chain",
+                        help="secondary tiers: chain (disk, then Mooncake), or one alone")
     parser.add_argument("--warmup-s", type=float, default=60.0)
     parser.add_argument("--fault-every", type=float, nargs=2, default=(15.0, 40.0),
                         metavar=("MIN_S", "MAX_S"), help="seconds between faults")

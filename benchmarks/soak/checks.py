@@ -6,7 +6,14 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from soak.config import SoakConfig, uses_disk
+from soak.config import (
+    BLOCK_BYTES,
+    MOONCAKE_SEGMENT_BYTES,
+    SoakConfig,
+    tier_names,
+    uses_disk,
+    uses_mooncake,
+)
 
 # Leak bounds, as a least-squares slope per 1000 requests after warm-up.
 SLOPE_BOUNDS = {"rss_bytes": 32 << 20, "fds": 2.0, "threads": 1.0,
@@ -40,12 +47,14 @@ def slope_per_1000(xs: list[float], ys: list[float]) -> float:
 
 
 def after_warmup(rows: list[dict], cfg: SoakConfig) -> list[dict]:
-    """Samples after ``warmup_s`` and after the secondary tier first filled (a bounded
-    cache grows until it is full: that is no leak)."""
+    """Samples after ``warmup_s`` and after the disk tier, when it runs, first filled (a
+    bounded cache grows until it is full: that is no leak; the files under
+    ``disk_path`` are judged)."""
     if not rows:
         return []
     t0 = rows[0]["t"]
-    full = next((r["t"] for r in rows if (r.get("tier_index") or 0) >= 0.95 * cfg.disk_blocks),
+    full = next((r["t"] for r in rows
+                 if (r.get("tier_index_disk") or 0) >= 0.95 * cfg.disk_blocks),
                 None) if uses_disk(cfg) else t0
     start = max(t0 + cfg.warmup_s, full if full is not None else rows[-1]["t"])
     return [r for r in rows if r["t"] >= start]
@@ -53,7 +62,7 @@ def after_warmup(rows: list[dict], cfg: SoakConfig) -> list[dict]:
 
 def leak_checks(rows: list[dict], cfg: SoakConfig) -> list[Check]:
     kept = after_warmup(rows, cfg)
-    out = [Check("samples after warm-up (and a full secondary tier)",
+    out = [Check("samples after warm-up (and a full disk tier, when it runs)",
                  f"{len(kept)} over {kept[-1]['requests'] - kept[0]['requests'] if kept else 0}"
                  " requests", ">= 5", len(kept) >= 5)]
     if uses_disk(cfg):
@@ -61,6 +70,8 @@ def leak_checks(rows: list[dict], cfg: SoakConfig) -> list[Check]:
         out.append(Check("disk: most files under disk_path at any sample", str(most),
                          f"<= {cfg.disk_blocks + 16} (capacity + temporaries and locks)",
                          most <= cfg.disk_blocks + 16))
+    if uses_mooncake(cfg):
+        out += mooncake_checks(rows)
     if kept:
         first, last = kept[0], rows[-1]  # the last row is taken once the server is idle
         for key, slack in (("fds", 8), ("threads", 4), ("rss_bytes", cfg.rss_slack_bytes)):
@@ -104,29 +115,66 @@ def outcome_checks(outcomes: list, cfg: SoakConfig) -> list[Check]:
     ]
 
 
-def balance_checks(probe: dict, metrics: dict, files_left: int | None) -> list[Check]:
-    """At idle: each tier's blocks stored = resident + evicted (dropped ones included)."""
+def mooncake_checks(rows: list[dict]) -> list[Check]:
+    """The master's keys stay within what its segment holds, and the one worker's
+    segment is mounted once, and again once idle after a master restart."""
+    keys = [r["mooncake_keys"] for r in rows if r.get("mooncake_keys") is not None]
+    most_keys = MOONCAKE_SEGMENT_BYTES // BLOCK_BYTES
+    out = [Check("mooncake: most keys in the master at any sample",
+                 str(int(max(keys, default=0))),
+                 f"<= {most_keys} (a segment's capacity in blocks), sampled",
+                 bool(keys) and max(keys) <= most_keys)]
+    mounted = [r["mooncake_segment_bytes"] / MOONCAKE_SEGMENT_BYTES for r in rows
+               if r.get("mooncake_segment_bytes") is not None]
+    last = rows[-1].get("mooncake_segment_bytes") if rows else None
+    last = None if last is None else last / MOONCAKE_SEGMENT_BYTES
+    out.append(Check("mooncake: segments mounted, idle at the end / most at any sample",
+                     f"{'no answer' if last is None else f'{last:g}'} / "
+                     f"{max(mounted, default=0):g}",
+                     "1 / 1 (the one worker's segment; a restarted master has none until "
+                     "it mounts again)", last == 1 and max(mounted, default=0) == 1))
+    return out
+
+
+def cpu_balance(cfg: SoakConfig, probe: dict, metrics: dict) -> list[Check]:
+    """Each block the CPU tier publishes was stored from the device or promoted from one
+    secondary tier (a promotion is counted by the tier that served it, once)."""
     cpu_in = probe.get("cpu_published", 0)
     cpu_out = probe.get("cpu_resident", 0) + probe.get("cpu_evicted", 0)
-    stored = metrics.get("blocks_stored", 0) + metrics.get("blocks_from_disk", 0) \
-        + metrics.get("blocks_from_mooncake", 0)
-    out = [Check("CPU tier: published = resident + evicted", f"{cpu_in} = {cpu_out}",
-                 "equal", cpu_in == cpu_out),
-           Check("CPU tier: published = blocks_stored + promoted", f"{cpu_in} = {stored:g}",
-                 "equal", cpu_in == stored),
-           Check("CPU tier: pinned blocks when idle", str(probe.get("cpu_pinned")), "0",
-                 probe.get("cpu_pinned") == 0)]
-    if probe.get("tier_index") is not None:
-        reserved, index = probe.get("tier_reserved", 0), probe["tier_index"]
-        evicted = probe.get("tier_evicted", 0)
-        out.append(Check("tier: reserved = resident + evicted (dropped included)",
-                         f"{reserved} = {index} + {evicted}", "equal",
-                         reserved == index + evicted))
-        written = metrics.get("blocks_to_disk", metrics.get("blocks_to_mooncake", 0))
-        failed = metrics.get("disk_failed_blocks", metrics.get("mooncake_failed_blocks", 0))
-        out.append(Check("tier: reserved - written <= failed blocks",
-                         f"{reserved} - {written:g} <= {failed:g}", "holds",
-                         0 <= reserved - written <= failed))
+    promoted = [f"blocks_from_{name}" for name in tier_names(cfg)]
+    stored = metrics.get("blocks_stored", 0) + sum(metrics.get(k, 0) for k in promoted)
+    return [Check("CPU tier: published = resident + evicted", f"{cpu_in} = {cpu_out}",
+                  "equal", cpu_in == cpu_out),
+            Check(f"CPU tier: published = blocks_stored + {' + '.join(promoted)}",
+                  f"{cpu_in} = {stored:g}", "equal", cpu_in == stored),
+            Check("CPU tier: pinned blocks when idle", str(probe.get("cpu_pinned")), "0",
+                  probe.get("cpu_pinned") == 0)]
+
+
+def tier_balance(name: str, probe: dict, metrics: dict) -> list[Check]:
+    """One secondary tier's index and counters, at idle."""
+    reserved, learned = (probe.get(f"tier_{k}_{name}", 0) for k in ("reserved", "learned"))
+    index, evicted = probe.get(f"tier_index_{name}"), probe.get(f"tier_evicted_{name}", 0)
+    written = metrics.get(f"blocks_to_{name}", 0)
+    failed = metrics.get(f"{name}_failed_blocks", 0)
+    return [Check(f"{name}: reserved + learned = resident + evicted (dropped included)",
+                  f"{reserved} + {learned} = {index} + {evicted}", "equal",
+                  index is not None and reserved + learned == index + evicted),
+            Check(f"{name}: reserved - blocks_to_{name} <= {name}_failed_blocks",
+                  f"{reserved} - {written:g} <= {failed:g}", "holds",
+                  0 <= reserved - written <= failed)]
+
+
+def balance_checks(cfg: SoakConfig, probe: dict, metrics: dict,
+                   files_left: int | None) -> list[Check]:
+    """At idle: each tier's blocks stored = resident + evicted (dropped ones included)."""
+    running, expected = probe.get("tier_names"), list(tier_names(cfg))
+    out = [Check("secondary tiers the scheduler runs, nearest first",
+                 " -> ".join(running or ()) or "none", " -> ".join(expected),
+                 running == expected),
+           *cpu_balance(cfg, probe, metrics)]
+    for name in expected:
+        out += tier_balance(name, probe, metrics)
     if files_left is not None:
         out.append(Check("disk: files left after a clean shutdown (disk_retention=remove; "
                          "the shared setup lock stays)", str(files_left), "0",
@@ -141,10 +189,15 @@ def fault_checks(faults: list) -> list[Check]:
                  "all", all("the same tokens" in f.detail for f in reread))]
     for kind in sorted({f.name for f in faults}):
         mine = [f for f in faults if f.name == kind]
-        seen = sum(1 for f in mine if any(f.after.get(k, 0) > f.before.get(k, 0)
-                                          for k in EVIDENCE.get(kind, ())))
-        out.append(Check(f"fault {kind}: shown by {' / '.join(EVIDENCE.get(kind, ()))}",
-                         f"{seen} of {len(mine)}", "all", seen == len(mine)))
+        keys = EVIDENCE.get(kind, ())
+        unseen = [f for f in mine if not any(f.after.get(k, 0) > f.before.get(k, 0)
+                                             for k in keys)]
+        missed = "; ".join(", ".join(f"{k} {f.before.get(k, 0):g}->{f.after.get(k, 0):g}"
+                                     for k in keys) for f in unseen)
+        out.append(Check(f"fault {kind}: shown by {' / '.join(keys)}",
+                         f"{len(mine) - len(unseen)} of {len(mine)}"
+                         + (f" (not shown: {missed})" if unseen else ""),
+                         "all", not unseen))
     return out
 
 

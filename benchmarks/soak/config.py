@@ -1,9 +1,11 @@
 """The soak run's settings, and the one place its tier chain is configured.
 
-:func:`tier_config` is all that changes when the chain CPU -> disk -> Mooncake
-lands: today one secondary tier runs at a time (``disk_path`` and
-``mooncake_master`` together are refused), so a run picks ``tiers="disk"`` (the
-default) or ``tiers="mooncake"``.
+:func:`tier_config` builds ``kv_connector_extra_config`` from ``SoakConfig.tiers``:
+``"chain"`` (the default) runs the whole chain CPU -> disk -> Mooncake (``disk_path``
+and ``mooncake_master`` together, ``tiers=["disk", "mooncake"]``), ``"disk"`` or
+``"mooncake"`` runs that secondary tier alone behind the CPU tier.
+:func:`tier_names` is the chain's order, nearest first, as the scheduler names the
+tiers (its counters are ``blocks_to_<name>``, ``<name>_failed_blocks``, ...).
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ BLOCK_SIZE = 32
 # K and V x 2 layers x 2 KV heads x head size 64 x 32 tokens x fp32 (the tiny Llama).
 BLOCK_BYTES = 2 * 2 * 2 * 64 * BLOCK_SIZE * 4
 MAX_MODEL_LEN = 512
+# SoakConfig.tiers: the secondary tiers behind the CPU tier, nearest first.
+TIER_CHOICES: dict[str, tuple[str, ...]] = {"chain": ("disk", "mooncake"),
+                                            "disk": ("disk",), "mooncake": ("mooncake",)}
+MOONCAKE_SEGMENT_BYTES = 64 << 20
 
 
 @dataclass
@@ -23,7 +29,7 @@ class SoakConfig:
     clients: int = 6
     seed: int = 0
     work_dir: Path = Path("/tmp/kvoffload-soak")
-    tiers: str = "disk"  # "disk" or "mooncake" (one secondary tier at a time, see above)
+    tiers: str = "chain"  # a key of TIER_CHOICES
     device_blocks: int = 64  # ~5 long-document requests
     cpu_blocks: int = 128
     disk_blocks: int = 640
@@ -43,6 +49,11 @@ class SoakConfig:
     min_leak_requests: int = 1000  # slopes over fewer requests are shown, not judged
     rss_slack_bytes: int = 256 << 20  # idle RSS at the end vs just after warm-up
 
+    def __post_init__(self) -> None:
+        if self.tiers not in TIER_CHOICES:
+            raise ValueError(f"SoakConfig.tiers = {self.tiers!r}: expected one of "
+                             f"{', '.join(map(repr, TIER_CHOICES))}")
+
     @property
     def disk_path(self) -> Path:
         return self.work_dir / "mnt" / "tier"
@@ -52,27 +63,36 @@ class SoakConfig:
         return self.work_dir / "mnt"
 
 
+def tier_names(cfg: SoakConfig) -> tuple[str, ...]:
+    """The secondary tiers of the run, nearest first."""
+    return TIER_CHOICES[cfg.tiers]
+
+
 def tier_config(cfg: SoakConfig, mooncake_address: str | None) -> dict:
     """``kv_connector_extra_config`` of the served connector: the CPU tier and the
-    secondary tier(s). The chain, once it lands, is one more entry here."""
+    secondary tiers of ``cfg.tiers``, in their order."""
+    names = tier_names(cfg)
     extra: dict = {"cpu_bytes_to_use": cfg.cpu_blocks * BLOCK_BYTES}
-    if cfg.tiers == "disk":
+    if "disk" in names:
         extra.update(disk_path=str(cfg.disk_path),
                      disk_bytes_to_use=cfg.disk_blocks * BLOCK_BYTES,
                      disk_retention="remove")
-    elif cfg.tiers == "mooncake":
-        assert mooncake_address is not None
+    if "mooncake" in names:
+        if mooncake_address is None:
+            raise ValueError(f"tiers={cfg.tiers!r} runs the Mooncake tier: a master's "
+                             "address is needed")
         extra.update(mooncake_master=mooncake_address, mooncake_timeout_s=2.0,
-                     mooncake_connect_timeout_s=2.0, mooncake_segment_bytes=64 << 20,
+                     mooncake_connect_timeout_s=2.0,
+                     mooncake_segment_bytes=MOONCAKE_SEGMENT_BYTES,
                      mooncake_buffer_bytes=32 << 20)
-    else:
-        raise ValueError(f"tiers={cfg.tiers!r}: expected 'disk' or 'mooncake'")
+    if len(names) > 1:
+        extra["tiers"] = list(names)
     return extra
 
 
 def uses_disk(cfg: SoakConfig) -> bool:
-    return "disk_path" in tier_config(cfg, "127.0.0.1:1")
+    return "disk" in tier_names(cfg)
 
 
 def uses_mooncake(cfg: SoakConfig) -> bool:
-    return "mooncake_master" in tier_config(cfg, "127.0.0.1:1")
+    return "mooncake" in tier_names(cfg)

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from soak import checks, report, sampler, workload
-from soak.config import SoakConfig, uses_disk
+from soak.config import SoakConfig, tier_names, uses_disk
 from soak.faults import Fault, enabled, fault_loop
 from soak.stack import stack
 from support.openai_server import Server, tracebacks
@@ -55,7 +55,7 @@ async def load(cfg: SoakConfig, served: Server, master, names: list[str]):
         await asyncio.gather(
             *(workload.client_loop(client, served.model, random.Random(cfg.seed * 1000 + i),
                                    stop_at, outcomes, deadline) for i in range(cfg.clients)),
-            sampler.sample_loop(cfg, served, outcomes, stop_at, rows),
+            sampler.sample_loop(cfg, served, outcomes, stop_at, rows, master),
             fault_loop(cfg, names, rng, stop_at, master, ops, observe, faults))
         await asyncio.sleep(5)  # the last fault's effects reach the counters
         if faults:
@@ -106,7 +106,7 @@ def run(cfg: SoakConfig, model: str) -> Result:
         started = time.monotonic()
         outcomes, rows, faults = asyncio.run(load(cfg, served, master, names))
         probe = wait_idle(cfg)
-        rows.append(sampler.sample(cfg, served, len(outcomes)))
+        rows.append(sampler.sample(cfg, served, len(outcomes), master))
         metrics = sampler.counters(served)
         compared = asyncio.run(replay(reference, sample_for_reference(cfg, outcomes),
                                       cfg.clients))
@@ -114,7 +114,8 @@ def run(cfg: SoakConfig, model: str) -> Result:
         files_left = sampler.files_left(cfg.disk_path) if uses_disk(cfg) else None
         ours = [tb for tb in tracebacks(served.log()) if "kvoffload_hal" in tb]
     found = [checks.token_checks(compared), *checks.outcome_checks(outcomes, cfg),
-             *checks.leak_checks(rows, cfg), *checks.balance_checks(probe, metrics, files_left),
+             *checks.leak_checks(rows, cfg),
+             *checks.balance_checks(cfg, probe, metrics, files_left),
              *checks.fault_checks(faults),
              checks.Check("server stops on SIGTERM", f"{stop_s:.1f} s", f"< {STOP_TIMEOUT_S:g} s",
                           stop_s < STOP_TIMEOUT_S),
@@ -133,7 +134,8 @@ def figures_of(cfg: SoakConfig, rows, outcomes, faults, metrics, seconds: float)
                                                                   "fault-probe")}
     return {
         "run": f"{cfg.minutes:g} min of load, {seconds / 60:.1f} min in all, "
-               f"{cfg.clients} streaming clients, tiers: CPU + {cfg.tiers}",
+               f"{cfg.clients} streaming clients, tiers: "
+               + " -> ".join(("CPU", *tier_names(cfg))),
         "requests by kind": ", ".join(f"{k} {v}" for k, v in kinds.items()),
         "faults injected": ", ".join(f"{f.name} ({f.detail})" for f in faults) or "none",
         "scheduler hooks per step, p50 / p99": f"{p50:.3f} / {p99:.3f} ms over {steps} "

@@ -5,9 +5,12 @@ scheduler process: every scheduler hook is timed with ``perf_counter`` and the
 hooks of one engine step (one ``build_connector_meta`` to the next) are summed;
 a daemon thread writes, once a second, a JSON snapshot to ``$SOAK_PROBE_FILE``:
 the per-step hook times since the last snapshot, the CPU tier's resident and
-pinned blocks and the blocks it evicted, the secondary tier's index size and the
-keys it handed to the workers to delete, and the scheduler's counters. Loaded by
-vLLM with ``kv_connector_module_path="soak.probe_connector"``.
+pinned blocks and the blocks it evicted, and for every secondary tier of the chain
+(keyed by the tier's name: ``tier_reserved_disk``, ``tier_index_mooncake``, ...) the
+keys its index reserved for writes, learned from the store (existence queries, a
+restart's scan) and let go (evicted, dropped after a failure), its index size and
+ready entries; and the scheduler's counters. Loaded by vLLM with
+``kv_connector_module_path="soak.probe_connector"``.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ class SoakProbeConnector(HALOffloadConnector):
             return
         self._step_s = 0.0  # hooks of the step under way
         self._steps: list[float] = []  # per-step totals since the last snapshot
-        self._counts = {"cpu_published": 0, "cpu_evicted": 0, "tier_reserved": 0,
-                        "tier_evicted": 0, "steps": 0}
+        self._counts = {"cpu_published": 0, "cpu_evicted": 0, "steps": 0}
         self._wrap_hooks()
         self._count_evictions()
         threading.Thread(target=self._snapshots, name="soak-probe", daemon=True).start()
@@ -76,13 +78,42 @@ class SoakProbeConnector(HALOffloadConnector):
     def _count_evictions(self) -> None:
         cpu = self.scheduler.cpu
         self._count(cpu, "publish", "cpu_published", lambda args, _: len(args[0]))
-        index = getattr(self.scheduler.tiers.nearest, "index", None)
-        if index is not None:
-            self._count(index, "reserve", "tier_reserved", lambda _, accepted: len(accepted))
         self._count(cpu.pool, "_maybe_evict_cached_block", "cpu_evicted",
                     lambda _, evicted: int(bool(evicted)))
-        if index is not None:  # keys the workers are told to delete
-            self._count(index, "take_evicted", "tier_evicted", lambda _, keys: len(keys))
+        for name, index in self._indexes().items():
+            self._count_index(name, index)
+
+    def _indexes(self) -> dict[str, Any]:
+        """Each secondary tier's index, by the tier's name, nearest first."""
+        return {tier.names.name: tier.index for tier in self.scheduler.tiers
+                if getattr(tier, "index", None) is not None}
+
+    def _count_index(self, name: str, index: Any) -> None:
+        """Keys in (``reserve``; ``learn`` and ``adopt``: net of the drops they cause)
+        and out (every entry ``drop`` removes: an eviction, a failure, a reset)."""
+        reserved, learned, evicted = (f"tier_{k}_{name}" for k in ("reserved", "learned",
+                                                                  "evicted"))
+        self._counts.update({reserved: 0, learned: 0, evicted: 0})
+        self._count(index, "reserve", reserved, lambda _, accepted: len(accepted))
+        drop = index.drop
+
+        def dropping(keys: Any) -> None:
+            before = len(index)
+            drop(keys)
+            self._counts[evicted] += before - len(index)
+        index.drop = dropping
+        for method in ("learn", "adopt"):
+            call = getattr(index, method, None)
+            if call is not None:
+                setattr(index, method, self._net_added(index, call, learned, evicted))
+
+    def _net_added(self, index: Any, call: Any, counter: str, evicted: str) -> Any:
+        def added(*args: Any, **kwargs: Any) -> Any:
+            size, dropped = len(index), self._counts[evicted]
+            result = call(*args, **kwargs)
+            self._counts[counter] += len(index) - size + self._counts[evicted] - dropped
+            return result
+        return added
 
     # --------------------------------------------------------- snapshots
     def snapshot(self) -> dict[str, Any]:
@@ -90,14 +121,16 @@ class SoakProbeConnector(HALOffloadConnector):
         sched = self.scheduler
         cpu = sched.cpu
         blocks = cpu.pool.blocks[:cpu.num_blocks]
-        index = getattr(sched.tiers.nearest, "index", None)
+        indexes = self._indexes()
+        tiers: dict[str, Any] = {"tier_names": list(indexes)}
+        for name, index in indexes.items():
+            tiers[f"tier_index_{name}"] = len(index)
+            tiers[f"tier_ready_{name}"] = sum(1 for e in list(index._entries.values())
+                                              if e.ready)
         return {
-            "t": time.time(), "step_hook_s": steps, **self._counts,
+            "t": time.time(), "step_hook_s": steps, **self._counts, **tiers,
             "cpu_resident": sum(1 for b in blocks if b.block_hash is not None),
             "cpu_pinned": cpu.num_pinned_blocks(), "cpu_blocks": cpu.num_blocks,
-            "tier_index": len(index) if index is not None else None,
-            "tier_ready": (sum(1 for e in index._entries.values() if e.ready)
-                           if index is not None else None),
             "in_flight": sched.num_jobs_in_flight(),
             "totals": dict(sched.totals.data),
         }

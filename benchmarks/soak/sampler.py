@@ -1,5 +1,6 @@
 """What the soak watches: the server's processes, the disk tier's files, the probe's
-snapshot and the counters on ``/metrics``, every ``sample_every_s``."""
+snapshot, the counters on ``/metrics`` and, with a Mooncake tier, the master's keys
+and mounted segments (its own ``/metrics``), every ``sample_every_s``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 from soak.config import SoakConfig
@@ -15,6 +17,10 @@ from support.openai_server import Server, session_members
 # Log lines that show a fault (counted in the served server's log).
 LOG_MARKS = {"unusable": "is unusable", "write_failed": "disk tier: writing",
              "read_failed": "disk tier: reading", "breaker": "circuit breaker"}
+# The Mooncake master's /metrics: name there -> name in a sample.
+MASTER_METRICS = {"master_key_count": "mooncake_keys",
+                  "master_total_capacity_bytes": "mooncake_segment_bytes",
+                  "master_active_clients": "mooncake_clients"}
 
 
 def proc_stats(pids: list[int]) -> dict[str, float]:
@@ -77,23 +83,46 @@ def log_marks(server: Server) -> dict[str, int]:
     return {f"log_{k}": log.count(v) for k, v in LOG_MARKS.items()}
 
 
-def sample(cfg: SoakConfig, server: Server, done: int) -> dict:
+def master_stats(master) -> dict[str, float | None]:
+    """The Mooncake master's keys, mounted segment bytes and clients (None while it does
+    not answer: frozen or killed); {} without a master."""
+    if master is None:
+        return {}
+    out: dict[str, float | None] = dict.fromkeys(MASTER_METRICS.values())
+    port = next((a.split("=", 1)[1] for a in (master.proc.args if master.proc else ())
+                 if a.startswith("-metrics_port=")), None)
+    if port is None:
+        return out
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as r:
+            text = r.read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in MASTER_METRICS:
+            out[MASTER_METRICS[name]] = float(value)
+    return out
+
+
+def sample(cfg: SoakConfig, server: Server, done: int, master=None) -> dict:
     probe = read_probe(cfg)
     row = {"t": time.monotonic(), "requests": done,
            **proc_stats([server.proc.pid, *session_members(server.proc.pid)]),
-           **tree_stats(cfg.disk_path)}
+           **tree_stats(cfg.disk_path), **master_stats(master)}
     row.update({k: probe.get(k) for k in ("cpu_resident", "cpu_pinned", "cpu_evicted",
-                                           "tier_index", "tier_evicted", "in_flight", "steps")})
+                                           "in_flight", "steps")})
+    row.update({k: v for k, v in probe.items() if k.startswith("tier_")})
     row["step_hook_s"] = probe.get("step_hook_s", [])
     row["probe_t"] = probe.get("t")
     return row
 
 
 async def sample_loop(cfg: SoakConfig, server: Server, outcomes: list, stop_at: float,
-                      rows: list[dict]) -> None:
+                      rows: list[dict], master=None) -> None:
     while time.monotonic() < stop_at:
         done = sum(1 for o in outcomes if o.status != "running")
-        rows.append(await asyncio.to_thread(sample, cfg, server, done))
+        rows.append(await asyncio.to_thread(sample, cfg, server, done, master))
         await asyncio.sleep(cfg.sample_every_s)
 
 
@@ -102,5 +131,6 @@ async def observe(cfg: SoakConfig, server: Server) -> dict:
     def read() -> dict:
         probe = read_probe(cfg)
         return {**counters(server), **log_marks(server),
-                **{f"probe_{k}": probe.get(k, 0) for k in ("cpu_evicted", "tier_evicted")}}
+                **{f"probe_{k}": v for k, v in probe.items()
+                   if k == "cpu_evicted" or k.startswith("tier_evicted_")}}
     return await asyncio.to_thread(read)

@@ -61,6 +61,13 @@ def tmpfs(cfg: SoakConfig):
             subprocess.run(["umount", "-l", str(point)], check=False)
 
 
+# The master evicts once its segments are this full. Its default (0.9) is above what a
+# segment of blocks reaches (each object is a block and its header): puts failed for
+# want of space before any eviction, and those failures, not the faults, opened the
+# tier's circuit breaker.
+MASTER_FLAGS = ("-eviction_high_watermark_ratio=0.75", "-eviction_ratio=0.1")
+
+
 @contextmanager
 def mooncake_master(cfg: SoakConfig):
     """A local master when the tier config uses Mooncake, else None."""
@@ -69,7 +76,8 @@ def mooncake_master(cfg: SoakConfig):
         return
     from support.mooncake_master import MooncakeMaster
 
-    with MooncakeMaster(str(cfg.work_dir / "logs" / "mooncake_master.log")) as master:
+    with MooncakeMaster(str(cfg.work_dir / "logs" / "mooncake_master.log"),
+                        flags=MASTER_FLAGS) as master:
         yield master
 
 
