@@ -12,7 +12,8 @@ p50/p99 per step. Writes table.md, samples.jsonl, soak.png
 and lscpu.txt to ``--out``. Mounting the tmpfs needs root (else no ENOSPC fault).
 
     python benchmarks/soak.py --minutes 30 [--clients 6] [--tiers chain|disk|mooncake]
-                              [--out docs/benchmarks/soak] [--seed 0]
+                              [--faults enospc,burst,...] [--out docs/benchmarks/soak]
+                              [--seed 0]
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from soak.report import write  # noqa: E402
 
 from kvoffload_hal.demo.tiny_model import build_tiny_llama  # noqa: E402
 
+FAULTS = SoakConfig().faults
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,6 +41,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiers", choices=tuple(TIER_CHOICES), default="chain",
                         help="secondary tiers: chain (disk, then Mooncake), or one alone")
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help=f"comma-separated, of {','.join(FAULTS)} (default: all)")
     parser.add_argument("--warmup-s", type=float, default=60.0)
     parser.add_argument("--fault-every", type=float, nargs=2, default=(15.0, 40.0),
                         metavar=("MIN_S", "MAX_S"), help="seconds between faults")
@@ -45,8 +50,13 @@ def main() -> int:
                         default=Path(tempfile.gettempdir()) / "kvoffload-soak")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    faults = tuple(f for f in args.faults.split(",") if f)
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        parser.error(f"--faults {args.faults}: {', '.join(unknown)} unknown; expected "
+                     f"some of {', '.join(FAULTS)}")
     cfg = SoakConfig(minutes=args.minutes, clients=args.clients, seed=args.seed,
-                     tiers=args.tiers, warmup_s=args.warmup_s,
+                     tiers=args.tiers, warmup_s=args.warmup_s, faults=faults,
                      fault_every_s=tuple(args.fault_every), work_dir=args.work_dir)
     model = build_tiny_llama(str(Path(tempfile.gettempdir()) / "kvoffload-soak-model"))
     result = run(cfg, model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,15 @@ from support.openai_server import Server, tracebacks
 
 IDLE_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+# vLLM's logger prefix ("(EngineCore pid=12) ERROR 11-28 18:18:15 [core.py:1512] "): a
+# traceback logged through it has it on every line.
+LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                        r"\d\d-\d\d [\d:.]+ \[[^\]]+\] ?", re.MULTILINE)
+
+
+def our_tracebacks(log: str) -> list[str]:
+    """Tracebacks through kvoffload_hal, printed or logged by vLLM's logger."""
+    return [tb for tb in tracebacks(LOG_PREFIX.sub("", log)) if "kvoffload_hal" in tb]
 
 
 @dataclass
@@ -112,7 +122,7 @@ def run(cfg: SoakConfig, model: str) -> Result:
                                       cfg.clients))
         stop_s = served.stop(signal.SIGTERM, STOP_TIMEOUT_S)
         files_left = sampler.files_left(cfg.disk_path) if uses_disk(cfg) else None
-        ours = [tb for tb in tracebacks(served.log()) if "kvoffload_hal" in tb]
+        ours = our_tracebacks(served.log())
     found = [checks.token_checks(compared), *checks.outcome_checks(outcomes, cfg),
              *checks.leak_checks(rows, cfg),
              *checks.balance_checks(cfg, probe, metrics, files_left),
