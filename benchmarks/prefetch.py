@@ -83,7 +83,7 @@ def run_case(model_dir: str, mode: dict, read_ms: float, docs: list[list[int]]) 
                     engine.drain()
             forget_caches(engine)
             assert len(engine.offload.tiers.nearest.index) >= DOCS * DOC_BLOCKS
-            slow_reads(engine.worker.worker.tier, read_ms / 1e3)
+            slow_reads(engine.worker.worker.tiers.nearest, read_ms / 1e3)
             return _questions(engine, docs, count_waits(engine))
         finally:
             engine.close()

@@ -79,10 +79,14 @@ class TierJobs(NamedTuple):
 
 @dataclass
 class OffloadMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per engine step: at most one load and one store job."""
+    """Scheduler -> worker, once per engine step: at most one load, one rescue and one
+    store job."""
 
     load: LoadSpec | None = None
     store: StoreSpec | None = None
+    # Device blocks this step reuses that the CPU tier has no copy of: copied before
+    # the step's forward pass (scheduler/device_copies.py), ahead of ``store``.
+    rescue: StoreSpec | None = None
     tiers: tuple[TierJobs, ...] = ()  # one per secondary tier, nearest first
     rounds: tuple[LoadSpec, ...] = ()  # staged hits' loads, after ``load`` in job order
     # A request was preempted: wait for every transfer before blocks are reused.

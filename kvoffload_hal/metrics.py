@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 # name -> help text. Every field is a monotonically increasing counter.
 COUNTERS: dict[str, str] = {
     "blocks_stored": "KV blocks copied device->CPU and published in the CPU tier",
+    "blocks_rescued": "KV blocks the device reused while the CPU tier held no copy, copied "
+                      "to the CPU tier before the step's forward pass wrote them "
+                      "(device_copies=drop; also in blocks_stored)",
     "blocks_loaded": "KV blocks copied CPU->device for prefix hits",
     "cpu_hit_tokens": "Prompt tokens served from the CPU tier instead of recomputed",
     "shared_load_waits": "Requests that waited for another request's load of the same CPU "
@@ -73,8 +76,10 @@ class _Recorder:
     def _add(self, key: str, value: float) -> None:
         raise NotImplementedError
 
-    def record_store(self, num_blocks: int) -> None:
+    def record_store(self, num_blocks: int, rescued: bool = False) -> None:
         self._add("blocks_stored", num_blocks)
+        if rescued:
+            self._add("blocks_rescued", num_blocks)
 
     def record_load(self, num_blocks: int, num_tokens: int) -> None:
         self._add("blocks_loaded", num_blocks)

@@ -70,6 +70,7 @@ import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed import kv_events
@@ -249,6 +250,38 @@ def iter_free_blocks(queue: FreeKVCacheBlockQueue) -> Iterator[KVCacheBlock]:
     while block is not None and block is not tail:
         yield block
         block = block.next_free_block
+
+
+def watch_allocations(pool: BlockPool, on_evict: Callable[[list[KVCacheBlock]], None]) -> None:
+    """Call ``on_evict(blocks)`` each time ``pool`` allocates fresh blocks, with those
+    of them its prefix cache still holds (``block_hash`` set), before they are evicted
+    and handed out: the head of its free queue, which ``get_new_blocks`` takes (every
+    release 0.23-0.33). Evictions for other reasons (``evict_blocks``: a failed load,
+    ``reset_prefix_cache``) are not allocations and are not reported."""
+    allocate = pool.get_new_blocks
+
+    def get_new_blocks(num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > 0:
+            head = islice(iter_free_blocks(pool.free_block_queue), num_blocks)
+            cached = [b for b in head if b.block_hash is not None]
+            if cached:
+                on_evict(cached)
+        return allocate(num_blocks)
+
+    pool.get_new_blocks = get_new_blocks
+
+
+def watch_caching(pool: BlockPool, on_cached: Callable[[Any], None]) -> None:
+    """Call ``on_cached(block_hash)`` (with group id) each time ``pool``'s prefix cache
+    takes a block: its map's ``insert`` (every release 0.23-0.33)."""
+    cache = pool.cached_block_hash_to_block
+    insert = cache.insert
+
+    def watched(key: Any, block: KVCacheBlock) -> None:
+        insert(key, block)
+        on_cached(key)
+
+    cache.insert = watched
 
 
 # -------------------------------------------------------------------- events

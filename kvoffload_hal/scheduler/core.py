@@ -210,13 +210,14 @@ class OffloadScheduler:
         for release_unallocated in self._parts.release_unallocated:
             release_unallocated()
         # The CPU room goes by scheduler/room.py's order, whichever asks first.
+        rescue = self.stores.rescue(self.cpu.device_copies.take_rescues())
         self.staged.advance()
         picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)
         self.stores.queue(picker)
         self.prefetch.step()
         load = self.loads.take_job()
-        return OffloadMetadata(load=load, store=self.stores.take_job(),
+        return OffloadMetadata(load=load, store=self.stores.take_job(), rescue=rescue,
                                tiers=self.tiers.take_jobs(), rounds=self.staged.take_rounds(),
                                need_flush=bool(scheduler_output.preempted_req_ids))
 
@@ -313,7 +314,8 @@ def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,
                                 vllm_config.scheduler_config.max_num_batched_tokens)
     if lazy:
         return LazyPolicy(window)
-    # Dropped copies are stored again unless a tier behind holds them (write-through).
-    restore = config.device_copies != "keep" and not config.tiers
+    # Dropped copies are stored again unless a tier behind holds them (write-through)
+    # or the device's evictions are rescued (device_copies.py).
+    restore = config.device_copies == "drop_stored" and not config.tiers
     return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups,
                        restore_window_blocks=window if restore else 0)

@@ -11,21 +11,29 @@ must evict, puts such a copy first in line in place of a block only the CPU tier
 holds. The eviction policy (:mod:`kvoffload_hal.eviction.base`) orders everything
 else, as before.
 
-A copy is dropped only while its device block cannot be evicted before the store
-policy sees it: the block is referenced on the device (a request uses it; when the
-request finishes or is preempted its blocks are offered for a store again), or it
-lies beyond the device's eviction window (the blocks the next two steps could
+With ``drop`` a copy may go at any time: the device's own evictions are watched
+(:func:`~kvoffload_hal.vllm_compat.watch_allocations`), and a block the device hands
+out for reuse while the CPU tier holds no copy of it is *rescued*: the step's
+metadata carries a store of it (``OffloadMetadata.rescue``) that every worker copies
+before the step's forward pass writes the block (``bind_connector_metadata``). The
+CPU tier is then a victim cache of the device: the two hold their sum. A block is
+recomputed only where no CPU block is free for its rescue (all pinned by copies),
+or its rescue fails; a block not rescued is gone from both prefix caches, so
+nothing stale is read.
+
+With ``drop_stored`` a copy is dropped only while its device block cannot be
+evicted before the store policy sees it: the block is referenced on the device, or
+it lies beyond the device's eviction window (the blocks the next two steps could
 evict, which the store policy watches every step). The store policy then stores
 the block again before the device evicts it
 (:class:`~kvoffload_hal.scheduler.store_policy.EagerPolicy` ``restore_window_blocks``,
-:class:`~kvoffload_hal.scheduler.store_policy.LazyPolicy`). Where the device still
-evicts it first (faster than any store could be sent), the block is recomputed:
-a dropped copy is gone from the CPU tier's prefix cache, so nothing stale is read.
+:class:`~kvoffload_hal.scheduler.store_policy.LazyPolicy`); where the device still
+evicts it first, the block is recomputed.
 
 Modes (``device_copies``): ``drop`` (copies made by stores and blocks just loaded
-go first), ``drop_stored`` (only copies made by stores; a block loaded to the
-device keeps its CPU copy in the eviction policy's order) and ``keep`` (the tiers
-are inclusive: no copy is preferred).
+go first; rescues), ``drop_stored`` (only copies made by stores; a block loaded to
+the device keeps its CPU copy in the eviction policy's order) and ``keep`` (the
+tiers are inclusive: no copy is preferred).
 """
 
 from __future__ import annotations
@@ -58,7 +66,10 @@ class DeviceCopies:
         self.mode = mode
         self.drops = mode != "keep"
         self._note_loads = mode == "drop"
-        self.window_blocks = window_blocks
+        # Rescued blocks need no window: any copy may go.
+        self.rescues = mode == "drop"
+        self.window_blocks = 0 if self.rescues else window_blocks
+        self._rescued: list[tuple[int, Any]] = []  # (device block id, hash)
         self.device: BlockPool | None = None
         self._max_candidates = 0
         # CPU blocks copied from or to a device block a request uses, in the order
@@ -74,13 +85,41 @@ class DeviceCopies:
         self.device = device
         # The device holds each hash once: more candidates than its blocks are stale.
         self._max_candidates = len(device.blocks)
+        if self.rescues:
+            vllm_compat.watch_allocations(device, self._on_device_evictions)
+            vllm_compat.watch_caching(device, self._on_device_cached)
+
+    # ------------------------------------------------------------ rescues
+    def _on_device_evictions(self, blocks: list[KVCacheBlock]) -> None:
+        """The device hands these cached blocks out for reuse: those the CPU tier
+        holds no copy of are rescued in this step."""
+        cpu_map = self.pool.cached_block_hash_to_block
+        for b in blocks:
+            copy = cpu_map.get_one_block(b.block_hash)
+            if copy is None:
+                self._rescued.append((b.block_id, b.block_hash))
+            else:  # the CPU tier's block is no copy any more: it holds the only one
+                self._candidates.pop(copy.block_id, None)
+
+    def _on_device_cached(self, block_hash: Any) -> None:
+        """The device computed or loaded a block: a CPU block of that hash is a copy."""
+        copy = self.pool.cached_block_hash_to_block.get_one_block(block_hash)
+        if copy is not None:
+            self._note([copy])
+
+    def take_rescues(self) -> list[tuple[int, Any]]:
+        """The device blocks to copy out before this step's forward pass: (device
+        block id, hash), in eviction order."""
+        rescued, self._rescued = self._rescued, []
+        return rescued
 
     # ------------------------------------------------------------ noting
     def note_stored(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """``blocks`` were just published: copies of device blocks, or promoted
-        from a tier behind (no device copy: found out when looked at)."""
+        """``blocks`` were just published: copies of device blocks, or blocks the
+        device no longer holds (rescued, promoted from a tier behind)."""
         if self.drops and self.device is not None:
-            self._note(blocks)
+            device_map = self.device.cached_block_hash_to_block
+            self._note([b for b in blocks if device_map.get_one_block(b.block_hash) is not None])
             if self._loaded:
                 for b in blocks:
                     self._loaded[b.block_id] = 0
@@ -127,7 +166,8 @@ class DeviceCopies:
         window = _Window(self.device, self.window_blocks, keep)
         empty, others, at_risk = self._split_head(num_blocks, window)
         wanted = max(0, num_blocks - len(empty))
-        copies = self._copies(wanted, keep, spare_device_blocks) if wanted else []
+        copies = [] if not wanted else (self._droppable(wanted, keep) if self.rescues
+                                        else self._copies(wanted, keep, spare_device_blocks))
         taken = {b.block_id for b in copies}
         others = [b for b in others if b.block_id not in taken]
         head = empty[:num_blocks] + copies + others[:wanted - len(copies)]
@@ -168,6 +208,31 @@ class DeviceCopies:
             return True
         held = self.device.cached_block_hash_to_block.get_one_block(block.block_hash)
         return held is not None and not held.ref_cnt and window.holds(held.block_id)
+
+    def _droppable(self, wanted: int, keep: Collection[Any]) -> list[KVCacheBlock]:
+        """With rescues: up to ``wanted`` free CPU blocks whose hash the device holds,
+        copies of blocks a request uses first, then the latest noted (the device
+        keeps what it cached last the longest). Any of them may go: the device's
+        eviction rescues it."""
+        assert self.device is not None
+        device_map, blocks = self.device.cached_block_hash_to_block, self.pool.blocks
+        in_use: list[KVCacheBlock] = []
+        idle: list[KVCacheBlock] = []
+        stale = []
+        for block_id in reversed(self._candidates):
+            block = blocks[block_id]
+            h = block.block_hash
+            held = device_map.get_one_block(h) if h is not None else None
+            if held is None:
+                stale.append(block_id)
+            elif not (block.ref_cnt or h in keep):
+                (in_use if held.ref_cnt else idle).append(block)
+                if len(in_use) >= wanted:
+                    break
+        taken = (in_use + idle)[:wanted]
+        for block_id in (*stale, *(b.block_id for b in taken)):
+            del self._candidates[block_id]
+        return taken
 
     def _copies(self, wanted: int, keep: Collection[Any], again: bool) -> list[KVCacheBlock]:
         """Up to ``wanted`` CPU blocks in the free queue whose device copies outlive

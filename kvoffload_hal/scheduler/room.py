@@ -21,10 +21,11 @@ if TYPE_CHECKING:
 class RoomKind(IntEnum):
     """Who takes the CPU tier's free blocks, first to last."""
 
-    STAGED = 0  # staged hits' reads and checks: a request waits, device blocks allocated
-    STORES = 1  # the step's store job: a store not sent now is offered again
-    PROMOTIONS = 2  # reads started at a lookup: the request asks again later
-    PREFETCH = 3  # reads for requests vLLM has not looked up yet
+    RESCUES = 0  # blocks the device is reusing this step: not copied now, they are gone
+    STAGED = 1  # staged hits' reads and checks: a request waits, device blocks allocated
+    STORES = 2  # the step's store job: a store not sent now is offered again
+    PROMOTIONS = 3  # reads started at a lookup: the request asks again later
+    PREFETCH = 4  # reads for requests vLLM has not looked up yet
 
 
 class CpuRoom:

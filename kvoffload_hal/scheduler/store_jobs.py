@@ -44,6 +44,7 @@ class _Store:
     hashes: list[Any]
     prompt_ends: set[Any] = field(default_factory=set)  # see BlockPicker.prompt_ends
     abandoned: bool = False  # reset_cache() ran while in flight: do not publish
+    pins_device: bool = True  # a rescue's device blocks belong to their new requests
 
 
 class StoreJobs:
@@ -92,8 +93,10 @@ class StoreJobs:
         """Before vLLM allocates device blocks for ``num_tokens`` loaded tokens: the
         blocks that allocation may evict, as ``policy`` offers them, are queued now
         (a queued store pins its device block, so the allocation passes it by).
-        Only where the CPU tier drops copies of device blocks (``device_copies``)."""
-        if not self.cpu.device_copies.drops:
+        Only where the CPU tier drops copies of device blocks and the device's
+        evictions are not rescued (``device_copies`` ``drop_stored``)."""
+        copies = self.cpu.device_copies
+        if not copies.drops or copies.rescues:
             return
         picker = self.picker()
         policy.before_allocation(
@@ -128,6 +131,27 @@ class StoreJobs:
         self._queued.append(_Store(gpu_ids, [b.block_id for b in cpu_blocks], hashes,
                                    picker.prompt_ends.intersection(hashes)))
 
+    def rescue(self, rescued: list[tuple[int, Any]]) -> StoreSpec | None:
+        """One job copying device blocks vLLM reuses in this step, (device block id,
+        hash) each, before the step's forward pass writes them (``device_copies``
+        ``drop``); sent ahead of the step's store job, as far as the CPU tier has room.
+        The device blocks are not pinned: their new requests hold them, and the
+        workers copy them before anything else this step."""
+        wanted: dict[Any, int] = {}
+        for gpu_id, h in rescued:
+            if h not in self._in_flight_hashes and not self.cpu.holds(h):
+                wanted.setdefault(h, gpu_id)
+        num_blocks = self.room.grant(RoomKind.RESCUES, len(wanted))
+        if num_blocks <= 0:
+            return None
+        hashes = list(wanted)[:num_blocks]
+        gpu_ids = [wanted[h] for h in hashes]
+        cpu_ids = [b.block_id for b in self.cpu.allocate(num_blocks)]
+        self._in_flight_gpu.update(gpu_ids)
+        self._in_flight_hashes.update(hashes)
+        store = _Store(gpu_ids, cpu_ids, hashes, pins_device=False)
+        return StoreSpec(self._sent.send(store), gpu_ids, cpu_ids)
+
     # ------------------------------------------------------- send, report
     def take_job(self) -> StoreSpec | None:
         """This step's queued stores as one job, or None."""
@@ -153,7 +177,7 @@ class StoreJobs:
                            job, len(cpu_blocks))
         elif not store.abandoned:
             self.cpu.publish(cpu_blocks, store.hashes, store.prompt_ends)
-            self.stats.record_store(len(cpu_blocks))
+            self.stats.record_store(len(cpu_blocks), rescued=not store.pins_device)
             self.tiers.on_published(cpu_blocks, store.hashes)  # written through
         self._release(store)
 
@@ -168,7 +192,8 @@ class StoreJobs:
 
     def _release(self, store: _Store) -> None:
         self.cpu.unpin_ids(store.cpu_ids)
-        unpin_ids(self._gpu_pool(), store.gpu_ids)
+        if store.pins_device:
+            unpin_ids(self._gpu_pool(), store.gpu_ids)
         self._in_flight_gpu.difference_update(store.gpu_ids)
         self._in_flight_hashes.difference_update(store.hashes)
 

@@ -54,7 +54,7 @@ from kvoffload_hal.metadata import (
 from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
 from kvoffload_hal.tiers.identity import kv_fingerprint, rank_in_replica
 from kvoffload_hal.tiers.registry import build_worker_half
-from kvoffload_hal.tiers.spec import SecondaryTier, WorkerTierContext
+from kvoffload_hal.tiers.spec import WorkerTierContext
 from kvoffload_hal.worker.loads import LoadOutcomes
 from kvoffload_hal.worker.shutdown import shut_down
 from kvoffload_hal.worker.tiers import WorkerTiers
@@ -149,11 +149,6 @@ class OffloadWorker:
         found, done = self.tiers.take_found_at_start(FOUND_AT_START_WAIT_S)
         return OffloadHandshake(found, done, num_cpu_blocks=self.num_cpu_blocks)
 
-    @property
-    def tier(self) -> SecondaryTier:
-        """The nearest secondary tier (a ``NullTier`` without one)."""
-        return self.tiers.nearest
-
     def unregister_kv_caches(self) -> None:
         """Before the KV cache is freed for sleep: no copy may touch it from now on."""
         if self.backend is None or self._asleep:
@@ -173,9 +168,21 @@ class OffloadWorker:
     def bind_connector_metadata(self, metadata: OffloadMetadata) -> None:
         if self.backend is not None:
             self.backend.step_done()  # a load before this step's forward fences on its own
+            if metadata.rescue is not None:
+                self._rescue(metadata.rescue)
         self._unlaunched = _Unlaunched(metadata.load, metadata.store, metadata.tiers,
                                        metadata.rounds)
         self._release.update(metadata.release_requests)
+
+    def _rescue(self, spec: StoreSpec) -> None:
+        """Copy out device blocks this step reuses before anything writes them (vLLM binds
+        the metadata before the step's loads and forward pass), and wait for it."""
+        if self._asleep:  # fails unlaunched, as the step's other copies
+            self._unlaunched = _Unlaunched(store=spec)
+            return self._fail_asleep()
+        self.backend.submit(TransferJob(spec.job_id, Direction.STORE, spec.gpu_blocks,
+                                        spec.cpu_blocks))
+        self._collect(self.backend.flush())
 
     def clear_connector_metadata(self) -> None:
         self._unlaunched = _Unlaunched()

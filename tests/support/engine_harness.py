@@ -326,7 +326,7 @@ class Engine:
 
     def assert_idle(self) -> None:
         assert not self.offload.has_pending_transfers()
-        assert self.worker.worker.tier.num_pending == 0
+        assert self.worker.worker.tiers.nearest.num_pending == 0
         assert self.offload.num_pinned_cpu_blocks() == 0
         assert self.worker.worker.backend.num_pending == 0
         gpu_pool = self.scheduler.kv_cache_manager.block_pool

@@ -185,3 +185,67 @@ def test_with_a_disk_tier_and_two_kv_cache_groups_every_block_is_written_and_com
     assert totals["blocks_to_disk"] == 2 * len(docs) * DOC_BLOCKS  # both groups, once each
     assert [engine.cached_tokens[f"b{i}"] for i in range(len(docs))] == [DOC_BLOCKS * BS] * 6
     engine.assert_idle()
+
+
+def _rescue_after_the_forward(monkeypatch):
+    """A worker that copies a rescue after the step's forward pass (in get_finished),
+    when the device block already holds its new request's KV: the control below."""
+    from kvoffload_hal.worker.core import OffloadWorker
+
+    late = []
+    monkeypatch.setattr(OffloadWorker, "_rescue", lambda self, spec: late.append(spec))
+    get_finished = OffloadWorker.get_finished
+
+    def deferred(self, finished_req_ids):
+        while late:
+            spec = late.pop(0)
+            from kvoffload_hal.hal.backend import Direction, TransferJob
+
+            self.backend.submit(TransferJob(spec.job_id, Direction.STORE, spec.gpu_blocks,
+                                            spec.cpu_blocks))
+            self._collect(self.backend.flush())
+        return get_finished(self, finished_req_ids)
+    monkeypatch.setattr(OffloadWorker, "get_finished", deferred)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["before-forward", "control-late"])
+def test_a_block_the_device_reuses_without_a_cpu_copy_is_rescued_before_it_is_written(
+        make_engine, monkeypatch, late):
+    """``drop``: the CPU tier drops its copies of blocks the device holds; when the
+    device hands such a block out, the step's rescue copies it to the CPU tier
+    before the forward pass writes it, and the second pass reads every document back
+    (the model checks every read). The control copies the rescue after the forward
+    pass: its CPU blocks hold the new request's KV, and a read of them is caught."""
+    if late:
+        _rescue_after_the_forward(monkeypatch)
+    engine = make_engine(**ROOMY, extra_config={"device_copies": "drop"})
+    tiers = Tiers(engine)
+    docs = _docs(8)
+    _one_at_a_time(engine, tiers, docs, "a")
+    if late:
+        with pytest.raises(AssertionError, match="wrong KV read"):
+            _one_at_a_time(engine, tiers, docs, "b")
+        return
+    hits = _hit_blocks(engine, _one_at_a_time(engine, tiers, docs, "b"))
+    totals = engine.offload.totals.data
+    assert totals["blocks_rescued"] > 0
+    assert hits == [DOC_BLOCKS] * len(docs)
+    assert not tiers.lost
+    engine.assert_idle()
+
+
+def test_rescues_take_the_room_first_and_the_rest_is_recomputed(make_engine):
+    """A burst pins the CPU tier for its loads: the device reuses more blocks without a
+    CPU copy than there are free CPU blocks. What fits is rescued first (before
+    stores and promotions); the rest is gone from both tiers and recomputed, every
+    read checked, nothing left pinned."""
+    engine = make_engine(**ROOMY, extra_config={"device_copies": "drop"})
+    tiers = Tiers(engine)
+    docs = _docs(8)
+    _one_at_a_time(engine, tiers, docs, "a")
+    burst = [engine.add(f"b{i}", d, max_tokens=2) for i, d in enumerate(docs)]
+    tiers.run()
+    assert engine.offload.totals.data["blocks_rescued"] > 0
+    assert tiers.lost and min(_hit_blocks(engine, burst)) < DOC_BLOCKS
+    assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
+    engine.assert_idle()

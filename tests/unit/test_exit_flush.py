@@ -101,7 +101,7 @@ def test_a_request_held_on_a_stuck_disk_is_released_at_the_bound(
         make_engine, tmp_path, monkeypatch):
     clock = FakeClock()
     engine = _disk_engine(make_engine, tmp_path, holds=True, clock=clock)
-    tier = engine.worker.worker.tier
+    tier = engine.worker.worker.tiers.nearest
     gate = threading.Event()
     write_file = tier._write_file
     monkeypatch.setattr(tier, "_write_file", lambda path, data: gate.wait()

@@ -93,7 +93,7 @@ def test_the_workers_shutdown_gives_the_last_writes_the_flush_bound(make_engine,
     engine = make_engine(num_gpu_blocks=20, cpu_blocks=8, extra_config={
         "disk_path": str(tmp_path), "disk_bytes_to_use": 64 * 16 * 128,
         "shutdown_flush_timeout_s": 10.0})
-    tier = engine.worker.worker.tier
+    tier = engine.worker.worker.tiers.nearest
     submitted, gate = [], threading.Event()
     submit_store, write_file = tier.submit_store, tier._write_file
 

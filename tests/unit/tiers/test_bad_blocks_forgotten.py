@@ -38,7 +38,7 @@ def _bad_block_is_read_once(engine, bad):
     doc = _doc(1)
     (first,) = _serve(engine, ("first", doc))
     _off_the_device_and_cpu(engine, 50)
-    flip_a_byte_of_block(engine.worker.worker.tier.root, first.block_hashes[bad])
+    flip_a_byte_of_block(engine.worker.worker.tiers.nearest.root, first.block_hashes[bad])
     _serve(engine, ("bad", doc))
     assert engine.cached_tokens["bad"] < (bad + 1) * BS  # the hit ended before the bad block
     for n in range(2):  # every later request: the whole document, from the disk

@@ -81,7 +81,7 @@ def test_corrupted_disk_blocks_are_recomputed(make_engine, tmp_path):
         engine.add(f"a{i}", d)
         engine.run_until_done()
         engine.drain()
-    root = engine.worker.worker.tier.root
+    root = engine.worker.worker.tiers.nearest.root
     flip_a_byte_of_every_block(root)
     for i, d in enumerate(docs):
         engine.add(f"b{i}", d + [7])
@@ -98,7 +98,7 @@ def test_small_disk_tier_evicts_lru_and_stays_consistent(make_engine, tmp_path):
     engine = make_engine(cpu_blocks=8, extra_config=_disk(tmp_path, 12))
     _sequential_passes(engine, _docs(6, 80))
     assert len(engine.offload.tiers.nearest.index) <= 12
-    files = sum(len(f) for _, _, f in os.walk(engine.worker.worker.tier.root))
+    files = sum(len(f) for _, _, f in os.walk(engine.worker.worker.tiers.nearest.root))
     assert files <= 12 + 8 + 2  # evicted files are deleted (asynchronously); marker, lock
     engine.assert_idle()
 
@@ -133,7 +133,7 @@ def test_a_disk_hit_waits_while_spills_hold_every_cpu_block(make_engine, tmp_pat
     _serve(engine, "a", doc)
     for seed in range(2, 5):
         _serve(engine, f"other{seed}", _prompt(seed, 6))  # "a" leaves the device and CPU
-    tier = engine.worker.worker.tier
+    tier = engine.worker.worker.tiers.nearest
     gate = threading.Event()  # disk writes wait here: the spills stay in flight
     write = tier._store_batch
     tier._store_batch = lambda items: (gate.wait(30), write(items))[1]

@@ -134,7 +134,7 @@ def test_a_smaller_tier_after_the_restart_keeps_the_newest_blocks(make_engine, t
     engine.drain()
     engine.step()  # the evictions reach the worker, which deletes their files
     engine.drain()
-    worker_tier = engine.worker.worker.tier
+    worker_tier = engine.worker.worker.tiers.nearest
     worker_tier.shutdown()  # wait for the deletions
     assert engine.offload.tiers.nearest.rebuild.adopted == 30
     assert len(engine.offload.tiers.nearest.index) == 12

@@ -51,7 +51,7 @@ def _count(engine, key):
 
 
 def _block_files(engine):
-    root = engine.worker.worker.tier.root
+    root = engine.worker.worker.tiers.nearest.root
     return sorted(os.path.join(d, n) for d, _, files in os.walk(root)
                   for n in files if n.endswith(".kvb"))
 
@@ -87,7 +87,7 @@ def test_a_block_the_writer_evicts_between_lookup_and_read_is_recomputed(
     _serve(writer, "a", doc)
     files = _block_files(writer)
     assert len(files) == DOC_BLOCKS
-    tier = reader.worker.worker.tier
+    tier = reader.worker.worker.tiers.nearest
     gate = threading.Event()
     load = tier._load_batch
     tier._load_batch = lambda items: (gate.wait(30), load(items))[1]
@@ -128,7 +128,7 @@ def test_a_damaged_peer_file_is_refused_recomputed_and_left_alone(
     keys = _keys(writer, "a")
     writer.run_until_done()
     writer.drain()
-    root = writer.worker.worker.tier.root
+    root = writer.worker.worker.tiers.nearest.root
     bad = os.path.join(root, keys[2][:2], f"{keys[2]}.kvb")
     with open(bad, "r+b") as f:
         if damage == "truncated":  # as a write cut short would leave it
@@ -160,7 +160,7 @@ def test_a_peer_with_another_fingerprint_is_never_read(make_engine, tiny_model_d
                     extra_config=_extra(tmp_path / "kv"))
     try:
         reader.model.load_weights(b"other weights")  # a read of the writer's KV: wrong bytes
-        assert reader.worker.worker.tier.peers.paths() == ()
+        assert reader.worker.worker.tiers.nearest.peers.paths() == ()
         _serve(reader, "b", _doc(1))
         assert reader.cached_tokens["b"] == 0 and _count(reader, "blocks_from_disk") == 0
         assert len(reader.outputs["b"]) == 4

@@ -58,7 +58,7 @@ def test_a_hybrid_hit_on_a_full_cpu_tier_is_recomputed_within_a_deadline(make_en
     _serve(engine, ("first", doc))
     for seed in range(2, 5):  # the document leaves the device and the CPU tier
         _serve(engine, (f"other-{seed}", _doc(seed, 6)))
-    tier = engine.worker.worker.tier
+    tier = engine.worker.worker.tiers.nearest
     gate = threading.Event()  # disk writes wait here: the spills hold the CPU tier
     write = tier._store_batch
     tier._store_batch = lambda items: (gate.wait(60), write(items))[1]

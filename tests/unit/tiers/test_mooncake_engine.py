@@ -71,7 +71,7 @@ def test_a_model_with_a_sliding_window_group_is_shared_too(master, make_engine):
 def test_corrupted_values_are_recomputed_by_the_reader(master, make_engine):
     a, b = _engine(make_engine, master.address), _engine(make_engine, master.address)
     req = _serve(a, "a", PROMPT)
-    tier = a.worker.worker.tier
+    tier = a.worker.worker.tiers.nearest
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
     for block_hash in req.block_hashes[:6]:
@@ -159,9 +159,9 @@ def test_a_block_gone_between_the_query_and_the_read_ends_the_staged_hit_there(
     assert "b" in b.offload.staged._active
     from support.shared_tier import tier_keys
 
-    gone = a.worker.worker.tier.store_key(tier_keys(req, 12)[11])
-    while a.worker.worker.tier.client.is_exist(gone) == 1:
-        a.worker.worker.tier.client.remove(gone, True)
+    gone = a.worker.worker.tiers.nearest.store_key(tier_keys(req, 12)[11])
+    while a.worker.worker.tiers.nearest.client.is_exist(gone) == 1:
+        a.worker.worker.tiers.nearest.client.remove(gone, True)
         time.sleep(0.05)
     b.run_until_done(max_steps=2000)
     b.drain()

@@ -127,7 +127,7 @@ class _Faulty:
 
 
 def _make_raise(engine, call):
-    tier = engine.worker.worker.tier
+    tier = engine.worker.worker.tiers.nearest
     tier.client = _Faulty(tier.client, call)
 
 

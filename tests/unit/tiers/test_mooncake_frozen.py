@@ -77,7 +77,7 @@ def test_a_frozen_master_costs_one_timeout_then_the_tier_comes_back(master, make
     assert "blocks_from_mooncake" not in totals
 
     os.killpg(master.proc.pid, signal.SIGCONT)
-    tier = reader.worker.worker.tier
+    tier = reader.worker.worker.tiers.nearest
     wait_until(lambda: reader.step() or tier.num_pending == 0, 30, "the stuck calls")
     time.sleep(max(0.0, WINDOW_S - max(later)))
     _serve(reader, "r1", _prompt(1))  # the probe: the writer's blocks are read

@@ -125,7 +125,7 @@ def test_an_aborted_waiting_request_releases_its_prefetched_blocks(make_engine, 
     engine = _engine(make_engine, tmp_path, prefetch_requests=4, prefetch_cpu_share=1.0)
     docs = [_doc(s) for s in range(2)]
     _on_disk_only(engine, docs)
-    gate = gate_reads(engine.worker.worker.tier)
+    gate = gate_reads(engine.worker.worker.tiers.nearest)
     try:
         fillers, held = _queue_behind_fillers(engine, docs, steps=3, settle=False)
         assert held == [DOC_BLOCKS, 2 * DOC_BLOCKS, 2 * DOC_BLOCKS]  # one request a step

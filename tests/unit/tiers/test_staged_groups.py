@@ -134,7 +134,7 @@ def test_a_corrupted_block_in_the_middle_ends_the_hybrid_hit_there(make_engine, 
     doc = _doc(1)
     first = _on_disk_only(engine, doc)
     bad = 11  # not at a promotion's edge
-    flip_a_byte_of_block(engine.worker.worker.tier.root, first.block_hashes[bad])
+    flip_a_byte_of_block(engine.worker.worker.tiers.nearest.root, first.block_hashes[bad])
     before, sent = dict(engine.offload.totals.data), len(engine.sent)
     _serve(engine, ("again", doc))
     assert engine.outputs["again"] == engine.outputs["first"]
@@ -158,7 +158,7 @@ def test_a_corrupted_block_found_by_the_check_ends_the_hybrid_hit_before_it(make
     doc = _doc(1)
     first = _on_disk_only(engine, doc)
     bad = 11
-    flip_a_byte_of_block(engine.worker.worker.tier.root, first.block_hashes[bad])
+    flip_a_byte_of_block(engine.worker.worker.tiers.nearest.root, first.block_hashes[bad])
     n = _longest_hit_within(engine, first.block_hashes, bad)
     assert n >= WINDOW_BLOCKS
     before, sent = dict(engine.offload.totals.data), len(engine.sent)

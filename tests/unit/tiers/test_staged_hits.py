@@ -123,7 +123,7 @@ def test_a_corrupted_block_ends_the_hit_there(make_engine, tmp_path):
     engine = _engine(make_engine, tmp_path)
     doc = _doc(1)
     _on_disk_only(engine, doc)
-    root = engine.worker.worker.tier.root
+    root = engine.worker.worker.tiers.nearest.root
     flip_a_byte_of_every_block(root)
     before = dict(engine.offload.totals.data)
     _serve(engine, ("again", doc))
@@ -140,7 +140,7 @@ def test_a_corrupted_block_in_the_middle_ends_the_hit_there(make_engine, tmp_pat
     doc = _doc(1)
     (first,) = _on_disk_only(engine, doc)
     bad = DOC_BLOCKS // 2 - 1  # not at a promotion's edge: CPU_BLOCKS does not divide it
-    flip_a_byte_of_block(engine.worker.worker.tier.root, first.block_hashes[bad])
+    flip_a_byte_of_block(engine.worker.worker.tiers.nearest.root, first.block_hashes[bad])
     before = dict(engine.offload.totals.data)
     _serve(engine, ("again", doc))
     assert engine.outputs["again"] == engine.outputs["first-0"]
@@ -230,7 +230,7 @@ def test_a_staged_hit_without_room_gives_up_and_recomputes(make_engine, tmp_path
     _serve(engine, ("first", doc))
     for seed in range(2, 5):
         _serve(engine, (f"other-{seed}", _doc(seed)[:6 * BS + 1]))
-    tier = engine.worker.worker.tier
+    tier = engine.worker.worker.tiers.nearest
     gate = threading.Event()  # disk writes wait here: the spills hold the CPU tier
     write = tier._store_batch
     tier._store_batch = lambda items: (gate.wait(30), write(items))[1]
@@ -299,7 +299,7 @@ def test_landed_loads_behind_a_request_the_device_cannot_take_are_picked_up(make
             engine.run_until_done()
             engine.drain()
     forget_caches(engine)
-    slow_reads(engine.worker.worker.tier, 0.0005)
+    slow_reads(engine.worker.worker.tiers.nearest, 0.0005)
     for i, doc in enumerate(docs):
         engine.add(f"q-{i}", doc + [2], max_tokens=4)
     engine.run_until_done(max_steps=3000)

@@ -85,7 +85,7 @@ def test_built_in_names_are_reserved():
 def test_a_plugged_in_tier_serves_hits_in_an_engine(make_engine, memory_tier):
     """Prefixes the CPU tier dropped come back from the plug-in, checked by the fake model."""
     engine = make_engine(cpu_blocks=12, extra_config={"memory_tier_blocks": 200})
-    tier = engine.worker.worker.tier
+    tier = engine.worker.worker.tiers.nearest
     assert isinstance(tier, MemoryTier)
     rng = random.Random(0)
     docs = [[rng.randrange(1, 90) for _ in range(80)] for _ in range(6)]  # 30 blocks
