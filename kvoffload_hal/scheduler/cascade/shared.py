@@ -148,7 +148,8 @@ class SharedTierCascade(TierCascade):
 
     def _note_overdue(self) -> None:
         """A job in flight past the timeout opens a closed breaker, once per job (a
-        half-open one times its probe out itself)."""
+        half-open one times its probe out itself). Once it opens, the jobs still in
+        flight are the same frozen store's: the breaker forgets them (``_on_breaker``)."""
         if self.breaker.state is not BreakerState.CLOSED:
             return
         now = self._clock()
@@ -158,6 +159,8 @@ class SharedTierCascade(TierCascade):
             elif now - sent_at > self.timeout_s:
                 del self._sent_at[job_id]
                 self.breaker.timeout()
+                if self.breaker.state is not BreakerState.CLOSED:
+                    return
 
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         if not self.breaker.allow(SPILLS):

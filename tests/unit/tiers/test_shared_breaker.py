@@ -141,3 +141,17 @@ def test_after_the_backoff_spills_may_probe_too(shared):
     spill = tiers.take_jobs().spill
     tiers.on_reports({spill.job_id: JobReport(ranks=2)})
     assert tiers.breaker.state is BreakerState.CLOSED and tiers.index.is_ready(hashes[0].hex())
+
+
+def test_two_spills_stuck_at_once_open_it_once(shared):
+    """Two jobs in flight when the store freezes: the first found overdue opens the
+    breaker, which forgets what is in flight; the second is not counted again (it
+    once raised KeyError there, from build_connector_meta, and stopped the engine)."""
+    engine, tiers, clock = shared
+    for seed in (0, 7):
+        blocks, hashes = _published(engine, 2, seed=seed)
+        tiers.on_published(blocks, hashes)
+        assert tiers.take_jobs().spill is not None
+    clock.now += TIMEOUT_S + 0.1
+    assert not tiers.has_pending()
+    assert tiers.breaker.state is BreakerState.OPEN and _counters(tiers) == {"opens": 1}
