@@ -249,3 +249,37 @@ def test_rescues_take_the_room_first_and_the_rest_is_recomputed(make_engine):
     assert tiers.lost and min(_hit_blocks(engine, burst)) < DOC_BLOCKS
     assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
     engine.assert_idle()
+
+
+def test_blocks_of_preempted_requests_are_rescued_when_the_device_reuses_them(make_engine):
+    """Decodes outgrow the device cache: vLLM preempts requests and hands their freed
+    blocks to others. Those the CPU tier dropped its copy of are rescued, the preempted
+    requests resume from a cache, every read is checked, nothing stays pinned."""
+    engine = make_engine(backend="slow-cpu", num_gpu_blocks=14, cpu_blocks=24, max_num_seqs=6,
+                         extra_config={"device_copies": "drop"})
+    rng = random.Random(5)
+    for i in range(6):
+        engine.add(str(i), [rng.randrange(1, 90) for _ in range(2 * BS + 1)], max_tokens=40)
+    engine.run_until_done()
+    engine.drain()
+    assert engine.preemptions > 0
+    assert engine.offload.totals.data["blocks_rescued"] > 0
+    assert all(len(engine.outputs[str(i)]) == 40 for i in range(6))
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()
+
+
+def test_two_kv_cache_groups_with_rescues(make_engine):
+    """A sliding-window group beside full attention, each (group, block) its own entry:
+    the device's evictions are rescued group by group, and the second pass reads every
+    document back whole, every read checked."""
+    engine = make_engine(sliding_window=32, num_gpu_blocks=30, cpu_blocks=30, **CHUNK,
+                         extra_config={"device_copies": "drop"})
+    docs = _docs(6)
+    for tag in "ab":
+        for i, d in enumerate(docs):
+            engine.add(f"{tag}{i}", d, max_tokens=2)
+            engine.run_until_done()
+    assert engine.offload.totals.data["blocks_rescued"] > 0
+    assert [engine.cached_tokens[f"b{i}"] for i in range(6)] == [DOC_BLOCKS * BS] * 6
+    engine.assert_idle()
