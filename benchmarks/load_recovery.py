@@ -74,8 +74,7 @@ def main() -> None:
     model_dir = build_tiny_llama(str(Path(tempfile.gettempdir()) / "kvoffload-bench-llama"))
     rows = [measure(model_dir, b) for b in ("cpu", "flaky-loads")]
     assert rows[0]["outputs"] == rows[1]["outputs"], "a failed load changed a token"
-    how = ("recomputed (failed_recving)" if vllm_compat.REPORTS_FAILED_RECVING
-           else "sent again from the CPU blocks")
+    how = vllm_compat.FAILED_LOAD
     lines = [f"## vLLM {vllm.__version__}: a failed load is {how}", "",
              f"CPU: {cpu_model()}; {NUM_DOCS} documents of {DOC_TOKENS} tokens read again "
              "after eviction, one at a time; two KV cache groups (full + sliding window).", "",

@@ -129,6 +129,46 @@ def positionally_stable(manager: Any) -> bool:
     return getattr(manager, "has_positionally_stable_blocks", True)
 
 
+# What this release does with a failed asynchronous load, in words (benchmarks' titles).
+FAILED_LOAD: str = ("recomputed (failed_recving)" if REPORTS_FAILED_RECVING
+                    else "sent again from the CPU blocks")
+
+
+# ------------------------------------------------- as vLLM's model runner calls a connector
+def connector_output(failed_recving: set[str], **fields: Any) -> KVConnectorOutput:
+    """A ``KVConnectorOutput`` as this release's model runner builds it: with the failed
+    loads where the release has the field."""
+    if REPORTS_FAILED_RECVING:
+        fields["failed_recving"] = failed_recving
+    return KVConnectorOutput(**fields)
+
+
+def ask_transfer_results(connector: Any, finished: set[str]) -> tuple[set, set, set]:
+    """(finished sending, finished receiving, failed receiving), as this release's model
+    runner asks a worker-side connector for them."""
+    if HAS_TRANSFER_RESULTS:
+        results = connector.get_transfer_results(finished)
+        return (results.finished_sending or set(), results.finished_recving,
+                results.failed_recving)
+    sending, recving = connector.get_finished(finished)
+    return sending or set(), recving or set(), set()
+
+
+def end_forward(connectors: Iterable[Any]) -> None:
+    """The forward pass is enqueued: the releases whose runner says so (with sleep mode
+    for connectors, 0.33) call ``finish_forward``."""
+    if SLEEP_WITH_CONNECTORS:
+        for connector in connectors:
+            connector.finish_forward()
+
+
+def nudge_idle_engine(add_request: Callable[[], None]) -> None:
+    """An idle engine of a release that does not step for a connector's push work steps
+    only for a request: ``add_request`` gives it one."""
+    if not STEPS_FOR_PUSH_WORK:
+        add_request()
+
+
 def transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> Any:
     """The value of ``get_transfer_results`` (only releases that have the type call it)."""
     if _TransferResults is None:

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheTensor,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -233,9 +233,7 @@ class Engine:
             for w in workers:
                 w.start_load_kv(None)
         req_ids, sampled, wrong_reads = self._forward(so)
-        if vllm_compat.SLEEP_WITH_CONNECTORS:  # and the forward-end hook, both from 0.33
-            for w in workers:
-                w.finish_forward()
+        vllm_compat.end_forward(workers)
         if not load_first:
             for w in workers:
                 w.start_load_kv(None)
@@ -245,11 +243,10 @@ class Engine:
         output = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving,
+            kv_connector_output=vllm_compat.connector_output(
+                failed, finished_sending=sending, finished_recving=recving,
                 kv_connector_worker_meta=worker_meta,
-                invalid_block_ids=errors, kv_connector_stats=self.worker.get_kv_connector_stats(),
-                **({"failed_recving": failed} if vllm_compat.REPORTS_FAILED_RECVING else {})),
+                invalid_block_ids=errors, kv_connector_stats=self.worker.get_kv_connector_stats()),
         )
         engine_outputs = self.scheduler.update_from_output(so, output)
         for eco in engine_outputs.values():
@@ -376,12 +373,7 @@ class Engine:
 def _transfer_results(worker, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
     """As the model runner of this vLLM asks a worker for them: requests whose blocks
     the connector releases, and (finished, failed) loads."""
-    if vllm_compat.HAS_TRANSFER_RESULTS:
-        results = worker.get_transfer_results(finished)
-        return (results.finished_sending or set(), results.finished_recving,
-                results.failed_recving)
-    sending, recving = worker.get_finished(finished)
-    return sending or set(), recving or set(), set()
+    return vllm_compat.ask_transfer_results(worker, finished)
 
 
 def _peer_worker(vllm_config, spec, num_gpu_blocks: int, num_layers: int) -> HALOffloadConnector:

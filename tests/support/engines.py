@@ -39,8 +39,8 @@ def drain_transfers(llm, timeout_s: float = 30.0) -> bool:
         time.sleep(0.002)  # as an idle engine waits for work: the copy threads run
         llm.llm_engine.step()
         idle_steps += 1
-        if idle_steps % 100 == 0 and not vllm_compat.STEPS_FOR_PUSH_WORK:
-            _next_request(llm)
+        if idle_steps % 100 == 0:
+            vllm_compat.nudge_idle_engine(lambda: _next_request(llm))
     return True
 
 
