@@ -79,7 +79,8 @@ class OffloadScheduler:
                            num_cpu_blocks(kv_cache_config,
                                           config.cpu_bytes_per_rank(self.world_size)),
                            block_size, hash_block_size, eviction=config.eviction,
-                           device_copies=config.device_copies)
+                           device_copies=config.device_copies,
+                           tier_behind=bool(config.tiers))
         self.stats = StatsLedger()
         self.policy = _make_policy(config, kv_cache_config, vllm_config, self.cpu)
         # Who takes the CPU tier's free blocks first: scheduler/room.py.

@@ -75,7 +75,8 @@ class CpuTier:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  num_blocks: int, block_size: int, hash_block_size: int,
                  eviction: str = DEFAULT_EVICTION,
-                 device_copies: str = DEFAULT_DEVICE_COPIES) -> None:
+                 device_copies: str = DEFAULT_DEVICE_COPIES, tier_behind: bool = False,
+                 ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hash_block_size = hash_block_size
@@ -89,7 +90,7 @@ class CpuTier:
         self.eviction = make_eviction(eviction, self.pool, num_blocks)
         # The device blocks its next two steps may evict: never dropped from here.
         self.device_copies = DeviceCopies(self.pool, device_copies, lazy_window_blocks(
-            config, vllm_config.scheduler_config.max_num_batched_tokens))
+            config, vllm_config.scheduler_config.max_num_batched_tokens), tier_behind)
         # Evictions from this pool are evictions from CPU memory: label its KV
         # events so a KV-aware router does not take them for device ones. A pool
         # without the attribute labels them itself: relabel them as they are taken.

@@ -19,7 +19,10 @@ before the step's forward pass writes the block (``bind_connector_metadata``). T
 CPU tier is then a victim cache of the device: the two hold their sum. A block is
 recomputed only where no CPU block is free for its rescue (all pinned by copies),
 or its rescue fails; a block not rescued is gone from both prefix caches, so
-nothing stale is read.
+nothing stale is read. Without a tier behind, a store takes spare room only (free
+blocks and copies of device blocks, ``spare_stores``): a block only the CPU tier
+holds is evicted for a rescue, when a block leaves the device, never for a copy of
+a block the device still holds.
 
 With ``drop_stored`` a copy is dropped only while its device block cannot be
 evicted before the store policy sees it: the block is referenced on the device, or
@@ -58,7 +61,8 @@ _SCAN_PER_BLOCK, _SCAN_MIN = 4, 32
 class DeviceCopies:
     """The CPU tier's copies of blocks the device holds: the first to drop."""
 
-    def __init__(self, pool: BlockPool, mode: str, window_blocks: int) -> None:
+    def __init__(self, pool: BlockPool, mode: str, window_blocks: int,
+                 tier_behind: bool = False) -> None:
         if mode not in DEVICE_COPY_MODES:
             raise ValueError(f"device_copies={mode!r}: expected one of "
                              f"{', '.join(DEVICE_COPY_MODES)}")
@@ -68,6 +72,10 @@ class DeviceCopies:
         self._note_loads = mode == "drop"
         # Rescued blocks need no window: any copy may go.
         self.rescues = mode == "drop"
+        # With rescues and no tier behind, a store takes spare room only: room that
+        # evicts no block only this tier holds (the device holds what it stores, and
+        # rescues it when it lets go of it). With a tier behind, such a block is there.
+        self.spare_stores = self.rescues and not tier_behind
         self.window_blocks = 0 if self.rescues else window_blocks
         self._rescued: list[tuple[int, Any]] = []  # (device block id, hash)
         self.device: BlockPool | None = None
@@ -170,7 +178,9 @@ class DeviceCopies:
                                         else self._copies(wanted, keep, spare_device_blocks))
         taken = {b.block_id for b in copies}
         others = [b for b in others if b.block_id not in taken]
-        head = empty[:num_blocks] + copies + others[:wanted - len(copies)]
+        head = empty[:num_blocks] + copies
+        if not (spare_device_blocks and self.spare_stores):
+            head += others[:wanted - len(copies)]
         if not spare_device_blocks:
             head += at_risk[:num_blocks - len(head)]
         # Once each (a hash the device holds twice may name one copy twice).

@@ -116,7 +116,9 @@ class StoreJobs:
         # lose soon (DeviceCopies.make_room): that would gain nothing.
         first = [b for b in picker.blocks if b.block_id not in picker.again]
         again = [b for b in picker.blocks if b.block_id in picker.again]
-        cpu_blocks = self.cpu.allocate(len(first), keep=picker.passed) if first else []
+        spare = self.cpu.device_copies.spare_stores  # spare room only: DeviceCopies
+        cpu_blocks = (self.cpu.allocate(len(first), keep=picker.passed, for_device_blocks=spare)
+                      if first else [])
         if again:
             cpu_blocks += self.cpu.allocate(len(again), keep=picker.passed,
                                             for_device_blocks=True)
