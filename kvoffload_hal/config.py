@@ -34,11 +34,8 @@ key                     default     meaning
                                     holds: ``keep``: ranked like any other block
                                     (the tiers are inclusive); ``drop``: evicted
                                     before any block only the CPU tier holds, and
-                                    stored again before the device evicts the
-                                    block; ``drop_stored``: the same for copies
-                                    made by stores, while a block loaded to the
-                                    device keeps its CPU copy in the ``eviction``
-                                    order
+                                    copied back (rescued) when the device reuses
+                                    the block (scheduler/device_copies.py)
 ``prefetch_requests``   4           with a secondary tier: how many of the oldest
                                     waiting requests not yet looked up by vLLM's
                                     scheduler have their tier blocks promoted into

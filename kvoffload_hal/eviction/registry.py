@@ -27,7 +27,7 @@ DEFAULT_EVICTION = "adaptive"
 
 # What the CPU tier does with its copies of blocks the device also holds
 # (kvoffload_hal.scheduler.device_copies); "keep": the tiers are inclusive.
-DEVICE_COPY_MODES = ("keep", "drop", "drop_stored")
+DEVICE_COPY_MODES = ("keep", "drop")
 DEFAULT_DEVICE_COPIES = "keep"
 
 _POLICIES = PluginTargets("eviction policy", ENTRY_POINT_GROUP, {

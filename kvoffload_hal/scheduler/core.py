@@ -175,7 +175,6 @@ class OffloadScheduler:
         if self.room.defers(request, num_computed_tokens):
             return None, False  # vLLM would preempt a request next step: ask later
         self.loads.hold_hit(req_id, hit, num_computed_tokens)
-        self.stores.store_ahead(self.policy, hit_tokens)
         if not self.caps.sync_loads:
             self._note_async(request)
         return hit_tokens, not self.caps.sync_loads
@@ -311,12 +310,7 @@ def _make_policy(config: OffloadConfig, kv_cache_config: KVCacheConfig,
                     "eager stores would never hit them",
                     ", ".join(map(str, cpu.unstable_groups)), ", ".join(names))
         lazy = True
-    window = lazy_window_blocks(kv_cache_config,
-                                vllm_config.scheduler_config.max_num_batched_tokens)
     if lazy:
-        return LazyPolicy(window)
-    # Dropped copies are stored again unless a tier behind holds them (write-through)
-    # or the device's evictions are rescued (device_copies.py).
-    restore = config.device_copies == "drop_stored" and not config.tiers
-    return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups,
-                       restore_window_blocks=window if restore else 0)
+        return LazyPolicy(lazy_window_blocks(
+            kv_cache_config, vllm_config.scheduler_config.max_num_batched_tokens))
+    return EagerPolicy(cpu.group_block_sizes, cpu.cacheable_groups)

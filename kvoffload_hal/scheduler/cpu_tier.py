@@ -37,7 +37,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig
 from kvoffload_hal import vllm_compat
 from kvoffload_hal.eviction.registry import DEFAULT_DEVICE_COPIES, DEFAULT_EVICTION, make_eviction
 from kvoffload_hal.scheduler.device_copies import DeviceCopies
-from kvoffload_hal.scheduler.store_policy import lazy_window_blocks
 from kvoffload_hal.vllm_compat import MEDIUM_CPU
 
 if TYPE_CHECKING:
@@ -88,9 +87,7 @@ class CpuTier:
             enable_kv_cache_events=self.emit_kv_events)
         self.pool = self.coordinator.block_pool
         self.eviction = make_eviction(eviction, self.pool, num_blocks)
-        # The device blocks its next two steps may evict: never dropped from here.
-        self.device_copies = DeviceCopies(self.pool, device_copies, lazy_window_blocks(
-            config, vllm_config.scheduler_config.max_num_batched_tokens), tier_behind)
+        self.device_copies = DeviceCopies(self.pool, device_copies, tier_behind)
         # Evictions from this pool are evictions from CPU memory: label its KV
         # events so a KV-aware router does not take them for device ones. A pool
         # without the attribute labels them itself: relabel them as they are taken.

@@ -24,19 +24,8 @@ blocks and copies of device blocks, ``spare_stores``): a block only the CPU tier
 holds is evicted for a rescue, when a block leaves the device, never for a copy of
 a block the device still holds.
 
-With ``drop_stored`` a copy is dropped only while its device block cannot be
-evicted before the store policy sees it: the block is referenced on the device, or
-it lies beyond the device's eviction window (the blocks the next two steps could
-evict, which the store policy watches every step). The store policy then stores
-the block again before the device evicts it
-(:class:`~kvoffload_hal.scheduler.store_policy.EagerPolicy` ``restore_window_blocks``,
-:class:`~kvoffload_hal.scheduler.store_policy.LazyPolicy`); where the device still
-evicts it first, the block is recomputed.
-
 Modes (``device_copies``): ``drop`` (copies made by stores and blocks just loaded
-go first; rescues), ``drop_stored`` (only copies made by stores; a block loaded to
-the device keeps its CPU copy in the eviction policy's order) and ``keep`` (the
-tiers are inclusive: no copy is preferred).
+go first; rescues) and ``keep`` (the tiers are inclusive: no copy is preferred).
 """
 
 from __future__ import annotations
@@ -61,22 +50,18 @@ _SCAN_PER_BLOCK, _SCAN_MIN = 4, 32
 class DeviceCopies:
     """The CPU tier's copies of blocks the device holds: the first to drop."""
 
-    def __init__(self, pool: BlockPool, mode: str, window_blocks: int,
-                 tier_behind: bool = False) -> None:
+    def __init__(self, pool: BlockPool, mode: str, tier_behind: bool = False) -> None:
         if mode not in DEVICE_COPY_MODES:
             raise ValueError(f"device_copies={mode!r}: expected one of "
                              f"{', '.join(DEVICE_COPY_MODES)}")
         self.pool = pool
         self.mode = mode
-        self.drops = mode != "keep"
-        self._note_loads = mode == "drop"
-        # Rescued blocks need no window: any copy may go.
-        self.rescues = mode == "drop"
+        # Copies go first, and the device's evictions of blocks without one are rescued.
+        self.drops = self.rescues = mode == "drop"
         # With rescues and no tier behind, a store takes spare room only: room that
         # evicts no block only this tier holds (the device holds what it stores, and
         # rescues it when it lets go of it). With a tier behind, such a block is there.
         self.spare_stores = self.rescues and not tier_behind
-        self.window_blocks = 0 if self.rescues else window_blocks
         self._rescued: list[tuple[int, Any]] = []  # (device block id, hash)
         self.device: BlockPool | None = None
         self._max_candidates = 0
@@ -84,9 +69,6 @@ class DeviceCopies:
         # noted: such a device block stays until its request ends (then goes to the
         # back of the device's eviction order), so its CPU copy is the first to drop.
         self._candidates: dict[int, None] = {}
-        # drop_stored: CPU blocks loaded to the device since stored (by block id); they
-        # keep their place in the eviction policy's order.
-        self._loaded = bytearray(len(pool.blocks) if mode == "drop_stored" else 0)
         self.num_dropped = 0  # copies evicted in place of blocks only this tier held
 
     def bind(self, device: BlockPool) -> None:
@@ -128,17 +110,11 @@ class DeviceCopies:
         if self.drops and self.device is not None:
             device_map = self.device.cached_block_hash_to_block
             self._note([b for b in blocks if device_map.get_one_block(b.block_hash) is not None])
-            if self._loaded:
-                for b in blocks:
-                    self._loaded[b.block_id] = 0
 
     def note_loaded(self, blocks: Sequence[KVCacheBlock]) -> None:
         """``blocks`` were just copied to the device, whose prefix cache keeps them."""
-        if self._note_loads and self.device is not None:
+        if self.drops and self.device is not None:
             self._note(blocks)
-        elif self._loaded:
-            for b in blocks:
-                self._loaded[b.block_id] = 1
 
     def _note(self, blocks: Sequence[KVCacheBlock]) -> None:
         candidates = self._candidates
@@ -160,29 +136,23 @@ class DeviceCopies:
     def make_room(self, num_blocks: int, keep: Collection[Any] = (),
                   spare_device_blocks: bool = False) -> int:
         """Arrange the head of the CPU free queue for the next ``get_new_blocks``:
-        blocks that evict nothing, then copies of device blocks the device keeps
-        past the store policy's next look, then blocks only this tier holds (in
-        the eviction policy's order), then copies the device may evict before that
-        look (``keep``: hashes counted among those). Returns how many blocks to
-        take: ``num_blocks``, or, with ``spare_device_blocks`` (a store), only as
-        many as come before that last kind: evicting a copy the device may lose
-        soon to store another device block gains nothing, and done step after
-        step it would be all that stores do.
+        blocks that evict nothing, then copies of device blocks (:meth:`_droppable`),
+        then blocks only this tier holds (in the eviction policy's order), then blocks
+        of hashes the caller keeps. Returns how many blocks to take: ``num_blocks``,
+        or, with ``spare_device_blocks`` (a store) and :attr:`spare_stores`, only as
+        many as evict no block only this tier holds.
         """
         if not self.drops or num_blocks <= 0 or self.device is None:
             return num_blocks
-        window = _Window(self.device, self.window_blocks, keep)
-        empty, others, at_risk = self._split_head(num_blocks, window)
+        empty, others, kept = self._split_head(num_blocks, keep)
         wanted = max(0, num_blocks - len(empty))
-        copies = [] if not wanted else (self._droppable(wanted, keep) if self.rescues
-                                        else self._copies(wanted, keep, spare_device_blocks))
+        copies = self._droppable(wanted, keep) if wanted else []
         taken = {b.block_id for b in copies}
-        others = [b for b in others if b.block_id not in taken]
         head = empty[:num_blocks] + copies
-        if not (spare_device_blocks and self.spare_stores):
-            head += others[:wanted - len(copies)]
-        if not spare_device_blocks:
-            head += at_risk[:num_blocks - len(head)]
+        spare = spare_device_blocks and self.spare_stores
+        if not spare:
+            head += [b for b in others if b.block_id not in taken][:wanted - len(copies)]
+            head += kept[:num_blocks - len(head)]
         # Once each (a hash the device holds twice may name one copy twice).
         head = list({b.block_id: b for b in head}.values())
         queue = self.pool.free_block_queue
@@ -190,40 +160,32 @@ class DeviceCopies:
             queue.remove(b)
         queue.prepend_n(head)
         self.num_dropped += len(copies)
-        return len(head) if spare_device_blocks else num_blocks
+        return len(head) if spare else num_blocks
 
-    def _split_head(self, num_blocks: int, window: _Window) -> tuple[list, list, list]:
+    def _split_head(self, num_blocks: int, keep: Collection[Any],
+                    ) -> tuple[list[KVCacheBlock], list[KVCacheBlock], list[KVCacheBlock]]:
         """The head of the CPU free queue, read until ``num_blocks`` blocks may go:
-        (blocks evicting nothing, blocks that may go, copies the device may evict
-        soon)."""
+        (blocks evicting nothing, blocks that may go, blocks of hashes kept)."""
         empty: list[KVCacheBlock] = []
         others: list[KVCacheBlock] = []
-        at_risk: list[KVCacheBlock] = []
+        kept: list[KVCacheBlock] = []
         budget = num_blocks + _SCAN_MIN + _SCAN_PER_BLOCK * num_blocks
         for block in islice(vllm_compat.iter_free_blocks(self.pool.free_block_queue), budget):
             if len(empty) + len(others) >= num_blocks:
                 break
             if block.block_hash is None:
                 empty.append(block)
-            elif self._at_risk(block, window):
-                at_risk.append(block)
+            elif block.block_hash in keep:
+                kept.append(block)
             else:
                 others.append(block)
-        return empty, others, at_risk
-
-    def _at_risk(self, block: KVCacheBlock, window: _Window) -> bool:
-        """A copy of a device block the device may evict before the store policy's
-        next look (or one the caller keeps)."""
-        if block.block_hash in window.keep:
-            return True
-        held = self.device.cached_block_hash_to_block.get_one_block(block.block_hash)
-        return held is not None and not held.ref_cnt and window.holds(held.block_id)
+        return empty, others, kept
 
     def _droppable(self, wanted: int, keep: Collection[Any]) -> list[KVCacheBlock]:
-        """With rescues: up to ``wanted`` free CPU blocks whose hash the device holds,
-        copies of blocks a request uses first, then the latest noted (the device
-        keeps what it cached last the longest). Any of them may go: the device's
-        eviction rescues it."""
+        """Up to ``wanted`` free CPU blocks whose hash the device holds, copies of
+        blocks a request uses first, then the latest noted (the device keeps what it
+        cached last the longest). Any of them may go: the device's eviction rescues
+        it."""
         assert self.device is not None
         device_map, blocks = self.device.cached_block_hash_to_block, self.pool.blocks
         in_use: list[KVCacheBlock] = []
@@ -243,85 +205,3 @@ class DeviceCopies:
         for block_id in (*stale, *(b.block_id for b in taken)):
             del self._candidates[block_id]
         return taken
-
-    def _copies(self, wanted: int, keep: Collection[Any], again: bool) -> list[KVCacheBlock]:
-        """Up to ``wanted`` CPU blocks in the free queue whose device copies outlive
-        the next look of the store policy, the longest-lived first. For blocks stored
-        ``again``, not copies of blocks a request uses: the device lets go of those
-        when it ends, and each would be one more block to store again."""
-        copies = [] if again else self._copies_in_use(wanted, keep)
-        if len(copies) < wanted:
-            copies += self._copies_at_the_back(wanted - len(copies), keep,
-                                               {b.block_id for b in copies})
-        return copies
-
-    def _copies_in_use(self, wanted: int, keep: Collection[Any]) -> list[KVCacheBlock]:
-        """Copies of device blocks a request uses, the latest noted first."""
-        assert self.device is not None
-        device_map = self.device.cached_block_hash_to_block
-        candidates, blocks = self._candidates, self.pool.blocks
-        taken: list[KVCacheBlock] = []
-        passed = 0  # pinned or kept: they stay candidates
-        budget = _SCAN_MIN + _SCAN_PER_BLOCK * wanted
-        while len(taken) < wanted and passed < budget:
-            chunk = list(islice(reversed(candidates), passed, passed + _SCAN_MIN))
-            if not chunk:
-                break
-            for block_id in chunk:
-                if len(taken) >= wanted:
-                    break
-                block = blocks[block_id]
-                if block.block_hash is not None and (block.ref_cnt
-                                                     or block.block_hash in keep):
-                    passed += 1
-                    continue
-                del candidates[block_id]
-                held = (device_map.get_one_block(block.block_hash)
-                        if block.block_hash is not None else None)
-                if held is not None and held.ref_cnt:
-                    taken.append(block)
-                # Otherwise no longer cached here, or not in use on the device
-                # (then found at the back of its eviction order, if anywhere).
-        return taken
-
-    def _copies_at_the_back(self, wanted: int, keep: Collection[Any],
-                            taken_ids: set[int]) -> list[KVCacheBlock]:
-        """Copies of device blocks no request uses, walking the device's eviction
-        order from its back, never into its window (the blocks its next two steps
-        may evict, which the store policy could not store again in time)."""
-        assert self.device is not None
-        queue = self.device.free_block_queue
-        cpu_map = self.pool.cached_block_hash_to_block
-        taken: list[KVCacheBlock] = []
-        position = queue.num_free_blocks - 1  # from the head of the device's queue
-        device_block = queue.fake_free_list_tail.prev_free_block
-        budget = _SCAN_MIN + _SCAN_PER_BLOCK * wanted
-        while (len(taken) < wanted and budget > 0 and position >= self.window_blocks
-               and device_block is not None and device_block.block_id >= 0):
-            budget -= 1
-            h = device_block.block_hash
-            copy = cpu_map.get_one_block(h) if h is not None and h not in keep else None
-            if (copy is not None and not copy.ref_cnt and copy.block_id not in taken_ids
-                    and not (self._loaded and self._loaded[copy.block_id])):
-                taken.append(copy)
-                taken_ids.add(copy.block_id)
-            device_block = device_block.prev_free_block
-            position -= 1
-        return taken
-
-
-class _Window:
-    """Device blocks its next two steps may evict (the head of its free queue, read
-    once, when first asked), and the hashes a caller keeps."""
-
-    def __init__(self, device: BlockPool, size: int, keep: Collection[Any]) -> None:
-        self._device = device
-        self._size = size
-        self._ids: set[int] | None = None
-        self.keep = keep
-
-    def holds(self, block_id: int) -> bool:
-        if self._ids is None:
-            head = islice(vllm_compat.iter_free_blocks(self._device.free_block_queue), self._size)
-            self._ids = {b.block_id for b in head}
-        return block_id in self._ids

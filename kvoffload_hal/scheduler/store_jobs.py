@@ -22,7 +22,7 @@ from kvoffload_hal.metadata import JobReport, StoreSpec
 from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
 from kvoffload_hal.scheduler.jobs import JobBook
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
-from kvoffload_hal.scheduler.store_policy import BlockPicker, StorePolicy
+from kvoffload_hal.scheduler.store_policy import BlockPicker
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -89,20 +89,6 @@ class StoreJobs:
         return (block.block_id not in self._in_flight_gpu
                 and h not in self._in_flight_hashes and not self.cpu.holds(h))
 
-    def store_ahead(self, policy: StorePolicy, num_tokens: int) -> None:
-        """Before vLLM allocates device blocks for ``num_tokens`` loaded tokens: the
-        blocks that allocation may evict, as ``policy`` offers them, are queued now
-        (a queued store pins its device block, so the allocation passes it by).
-        Only where the CPU tier drops copies of device blocks and the device's
-        evictions are not rescued (``device_copies`` ``drop_stored``)."""
-        copies = self.cpu.device_copies
-        if not copies.drops or copies.rescues:
-            return
-        picker = self.picker()
-        policy.before_allocation(
-            sum(-(-num_tokens // size) for size in self.cpu.group_block_sizes), picker)
-        self.queue(picker)
-
     def _held_here(self, block: KVCacheBlock) -> bool:
         """The CPU tier holds ``block``'s hash in a block it could evict."""
         copy = self.cpu.cached_block(block.block_hash)
@@ -112,19 +98,12 @@ class StoreJobs:
         if not picker.blocks:
             return
         # Eviction happens here; blocks the policy found stored stay (see BlockPicker).
-        # Blocks offered again get only the room that evicts no copy the device may
-        # lose soon (DeviceCopies.make_room): that would gain nothing.
-        first = [b for b in picker.blocks if b.block_id not in picker.again]
-        again = [b for b in picker.blocks if b.block_id in picker.again]
-        spare = self.cpu.device_copies.spare_stores  # spare room only: DeviceCopies
-        cpu_blocks = (self.cpu.allocate(len(first), keep=picker.passed, for_device_blocks=spare)
-                      if first else [])
-        if again:
-            cpu_blocks += self.cpu.allocate(len(again), keep=picker.passed,
-                                            for_device_blocks=True)
+        # With spare_stores, only room that evicts no block the CPU tier alone holds.
+        cpu_blocks = self.cpu.allocate(len(picker.blocks), keep=picker.passed,
+                                       for_device_blocks=self.cpu.device_copies.spare_stores)
         if not cpu_blocks:
             return
-        chosen = (first + again)[:len(cpu_blocks)]
+        chosen = picker.blocks[:len(cpu_blocks)]
         gpu_ids = [b.block_id for b in chosen]
         hashes = [b.block_hash for b in chosen]
         pin_ids(self._gpu_pool(), gpu_ids)

@@ -11,13 +11,6 @@ Two policies behind one interface (:class:`StorePolicy`):
   device pool's free queue) are stored, a window of about two steps' worth of
   allocations.
 
-Where the CPU tier drops its copies of blocks the device holds first
-(``device_copies``, :mod:`kvoffload_hal.scheduler.device_copies`), a dropped block
-must be stored again before the device evicts it. Lazy stores do that by nature;
-eager ones get the lazy window too (``restore_window_blocks``), and offer again
-the blocks of a request that finishes or is preempted, which the device may
-evict in the very next step.
-
 A policy only *chooses*: it offers device blocks to a :class:`BlockPicker`,
 which keeps those worth storing (hashed, not stored already, not in flight)
 up to the number of free CPU blocks. Allocation, pinning and job tracking are
@@ -64,9 +57,6 @@ class BlockPicker:
         self.blocks: list[KVCacheBlock] = []
         self._hashes: set[Any] = set()
         self.passed: set[Any] = set()
-        # Ids of kept blocks offered *again* (stored before, their copy since dropped):
-        # the CPU tier need not make room for them at the expense of other copies.
-        self.again: set[int] = set()
         # Hashes of kept blocks that end their request's prompt exactly (see
         # Eviction.on_prompt_ends): only a longer prompt can read them.
         self.prompt_ends: set[Any] = set()
@@ -75,10 +65,9 @@ class BlockPicker:
     def full(self) -> bool:
         return len(self.blocks) >= self.budget
 
-    def offer(self, block: KVCacheBlock, again: bool = False, prompt_end: bool = False) -> None:
-        """Keep ``block`` if it is hashed, new to this job and ``wanted``; ``again``:
-        it was offered before (see :attr:`again`); ``prompt_end``: its last token is
-        its request's last prompt token (see :attr:`prompt_ends`)."""
+    def offer(self, block: KVCacheBlock, prompt_end: bool = False) -> None:
+        """Keep ``block`` if it is hashed, new to this job and ``wanted``; ``prompt_end``:
+        its last token is its request's last prompt token (see :attr:`prompt_ends`)."""
         h = block.block_hash
         if block.is_null or h is None or h in self._hashes or h in self.passed:
             return
@@ -89,8 +78,6 @@ class BlockPicker:
             return
         self.blocks.append(block)
         self._hashes.add(h)
-        if again:
-            self.again.add(block.block_id)
         if prompt_end:
             self.prompt_ends.add(h)
 
@@ -109,11 +96,6 @@ class StorePolicy(ABC):
 
     def on_allocated(self, request: Request, num_groups: int) -> None:
         """``request`` got device blocks (every scheduling of it, new or resumed)."""
-
-    def before_allocation(self, num_blocks: int, picker: BlockPicker) -> None:
-        """vLLM is about to allocate ``num_blocks`` device blocks for KV loaded from
-        the CPU tier (beyond what one step computes): last chance to offer what
-        that allocation may evict."""
 
     def on_preempted(self, req_id: str) -> None:
         """``req_id`` lost its device blocks; it restarts with a fresh block table."""
@@ -154,22 +136,15 @@ class EagerPolicy(StorePolicy):
     """Store every full block once computed."""
 
     def __init__(self, group_block_sizes: Sequence[int], cacheable_groups: Sequence[int],
-                 restore_window_blocks: int = 0) -> None:
+                 ) -> None:
         self.group_block_sizes = list(group_block_sizes)
         self.cacheable_groups = list(cacheable_groups)
         self._cursors: dict[str, _Cursor] = {}
-        # (device block id, its hash, offered before) of finished requests, not stored for
-        # want of room, and of preempted ones where dropped copies are stored again.
-        self._leftovers: deque[tuple[int, Any, bool]] = deque()
-        # The lazy window over the device's next evictions, where the CPU tier drops
-        # copies of device blocks (0: it keeps them, nothing to store again).
-        self._restore = (LazyPolicy(restore_window_blocks, again=True)
-                         if restore_window_blocks else None)
+        # (device block id, its hash) of finished requests, not stored for want of room.
+        self._leftovers: deque[tuple[int, Any]] = deque()
 
     def bind(self, gpu_pool: BlockPool) -> None:
         super().bind(gpu_pool)
-        if self._restore is not None:
-            self._restore.bind(gpu_pool)
         # Leftovers older than one device pool's worth are evicted by now.
         self._leftovers = deque(maxlen=len(gpu_pool.blocks))
 
@@ -178,15 +153,9 @@ class EagerPolicy(StorePolicy):
             self._cursors[request.request_id] = _Cursor(
                 request, [[] for _ in range(num_groups)], [0] * num_groups)
 
-    def before_allocation(self, num_blocks: int, picker: BlockPicker) -> None:
-        if self._restore is not None:
-            self._restore.before_allocation(num_blocks, picker)
-
     def on_preempted(self, req_id: str) -> None:
         cursor = self._cursors.get(req_id)
         if cursor is not None:
-            if self._restore is not None:
-                self._keep_cached(cursor.block_ids)
             cursor.rewind(forget_blocks=True)
 
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
@@ -211,11 +180,6 @@ class EagerPolicy(StorePolicy):
             confirmed = request.num_computed_tokens - request.num_output_placeholders
             if confirmed >= cursor.next_boundary:
                 self._offer(cursor, cursor.block_ids, confirmed, picker)
-        if self._restore is not None:
-            # Last: blocks stored before, whose copies were dropped, among the device's
-            # next evictions (first stores take the room first: they are written
-            # through to a tier behind, and may be evicted as soon, by sliding windows).
-            self._restore.select(scheduler_output, picker)
 
     def on_finished(self, request: Request, block_ids: Sequence[list[int]],
                     picker: BlockPicker) -> None:
@@ -225,9 +189,6 @@ class EagerPolicy(StorePolicy):
             # step: offer it now, from the final block table, or it is lost.
             self._offer(cursor, block_ids, request.num_computed_tokens, picker)
             self._keep_leftovers(cursor, block_ids, request.num_computed_tokens)
-            if self._restore is not None:
-                # Copies dropped while it ran: its blocks may go in the next step.
-                self._offer_again(block_ids, picker)
 
     def reset(self) -> None:
         for cursor in self._cursors.values():
@@ -247,36 +208,16 @@ class EagerPolicy(StorePolicy):
             for block_id in block_ids[g][cursor.num_scanned[g]:ready]:
                 block_hash = blocks[block_id].block_hash
                 if block_hash is not None:
-                    self._leftovers.append((block_id, block_hash, False))
-
-    def _offer_again(self, block_ids: Sequence[list[int]], picker: BlockPicker) -> None:
-        assert self.gpu_pool is not None, "bind() was not called"
-        blocks = self.gpu_pool.blocks
-        for g in self.cacheable_groups:
-            for block_id in block_ids[g]:
-                if picker.full:
-                    return
-                picker.offer(blocks[block_id], again=True)
-
-    def _keep_cached(self, block_ids: Sequence[list[int]]) -> None:
-        """Remember every device block of ``block_ids`` that has a hash (a preempted
-        request's: freed in this step, they stay cached until the device reuses them)."""
-        assert self.gpu_pool is not None, "bind() was not called"
-        blocks = self.gpu_pool.blocks
-        for g in self.cacheable_groups:
-            for block_id in block_ids[g]:
-                block_hash = blocks[block_id].block_hash
-                if block_hash is not None:
-                    self._leftovers.append((block_id, block_hash, True))
+                    self._leftovers.append((block_id, block_hash))
 
     def _offer_leftovers(self, picker: BlockPicker) -> None:
         assert self.gpu_pool is not None, "bind() was not called"
         blocks = self.gpu_pool.blocks
         while self._leftovers and not picker.full:
-            block_id, block_hash, again = self._leftovers.popleft()
+            block_id, block_hash = self._leftovers.popleft()
             block = blocks[block_id]
             if block.block_hash == block_hash:  # not evicted since its request finished
-                picker.offer(block, again)
+                picker.offer(block)
 
     def _num_ready(self, ids: Sequence[int], group: int, confirmed_tokens: int) -> int:
         """Device blocks of ``ids`` full of confirmed tokens."""
@@ -306,9 +247,8 @@ class EagerPolicy(StorePolicy):
 class LazyPolicy(StorePolicy):
     """Store the device blocks next in line for eviction (the free queue's head)."""
 
-    def __init__(self, window_blocks: int, again: bool = False) -> None:
+    def __init__(self, window_blocks: int) -> None:
         self.window_blocks = window_blocks
-        self.again = again  # its offers are of blocks stored before (EagerPolicy's window)
 
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
         if self.gpu_pool is None:
@@ -317,24 +257,7 @@ class LazyPolicy(StorePolicy):
         for n, block in enumerate(free_queue):
             if n >= self.window_blocks or picker.full:
                 break
-            picker.offer(block, self.again)
-
-    def before_allocation(self, num_blocks: int, picker: BlockPicker) -> None:
-        """A load allocates its device blocks at once, in the step that schedules it,
-        beyond what the window of two steps of computed tokens covers: offer the
-        blocks that allocation and the window reach. A block the picker keeps is
-        pinned by its store and leaves the free queue, so the allocation reaches
-        one block further for each: kept blocks are not counted."""
-        if self.gpu_pool is None:
-            return
-        free_queue = vllm_compat.iter_free_blocks(self.gpu_pool.free_block_queue)
-        passed = 0
-        for block in free_queue:
-            if passed >= self.window_blocks + num_blocks or picker.full:
-                break
-            kept = len(picker.blocks)
-            picker.offer(block, self.again)
-            passed += len(picker.blocks) == kept
+            picker.offer(block)
 
 
 def lazy_window_blocks(kv_cache_config: KVCacheConfig, max_num_batched_tokens: int) -> int:

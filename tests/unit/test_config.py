@@ -34,6 +34,7 @@ def test_lazy_offload_must_be_a_bool(value):
 @pytest.mark.parametrize("key, value, choices", [
     *[("load_mode", v, "auto, async, sync") for v in ("SYNC", "blocking", 1, None)],
     *[("eviction", v, "lru, adaptive") for v in ("LRU", "arc", 1, None)],
+    *[("device_copies", v, "keep, drop") for v in ("drop_stored", "DROP", None)],
 ])
 def test_a_choice_must_be_one_of_its_values(key, value, choices):
     with pytest.raises(ValueError) as e:

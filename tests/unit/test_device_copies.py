@@ -96,7 +96,7 @@ def _hit_blocks(engine, requests):
 
 
 @pytest.mark.parametrize("mode, eviction", [
-    ("drop", "lru"), ("drop", "adaptive"), ("drop_stored", "lru"), ("keep", "lru")])
+    ("drop", "lru"), ("drop", "adaptive"), ("keep", "lru")])
 def test_copies_of_device_blocks_are_dropped_from_the_cpu_tier_first(make_engine, mode,
                                                                        eviction):
     """7 documents, one at a time: the device keeps the last ones, the CPU tier
@@ -162,9 +162,8 @@ def test_blocks_the_device_evicts_before_they_are_stored_again_are_recomputed(
     engine.assert_idle()
 
 
-@pytest.mark.parametrize("mode", ["drop", "drop_stored"])
 def test_with_a_disk_tier_and_two_kv_cache_groups_every_block_is_written_and_comes_back(
-        make_engine, tmp_path, mode):
+        make_engine, tmp_path):
     """A sliding-window group next to full attention, a CPU tier smaller than the
     device and a disk tier behind: copies dropped from the CPU tier were written
     through first (each (group, block) once; the tier serves them, so they are not
@@ -172,7 +171,7 @@ def test_with_a_disk_tier_and_two_kv_cache_groups_every_block_is_written_and_com
     page = BS * 128
     engine = make_engine(sliding_window=32, num_gpu_blocks=40, cpu_blocks=12, **CHUNK,
                          extra_config={
-        "device_copies": mode, "disk_path": str(tmp_path / "kv"),
+        "device_copies": "drop", "disk_path": str(tmp_path / "kv"),
         "disk_bytes_to_use": 400 * page})
     docs = _docs(6)
     for tag in "ab":
