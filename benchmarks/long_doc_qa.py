@@ -210,7 +210,7 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
         conn = scheduler_connector(llm) if spec.offload else None
         if conn is not None:  # every CPU-tier access from the start, warm-up included
             conn.scheduler.cpu.eviction.trace = []
-        admissions = Admissions(llm, BLOCK_SIZE)
+        admissions = Admissions(llm.llm_engine.engine_core.engine_core.scheduler, BLOCK_SIZE)
         warm = [TokensPrompt(prompt_token_ids=d) for d in docs]
         llm.generate(warm, params, use_tqdm=False)
         measured_from = len(admissions.requests)

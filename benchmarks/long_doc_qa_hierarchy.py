@@ -21,11 +21,11 @@ from kvoffload_hal.demo.eviction_replay import belady_hits
 class Admissions:
     """Every request the engine schedules for the first time, with the blocks it can hit."""
 
-    def __init__(self, llm: Any, block_size: int) -> None:
+    def __init__(self, scheduler: Any, block_size: int) -> None:
+        """``scheduler``: vLLM's ``Scheduler`` (an in-process engine's, or a bare one)."""
         self.block_size = block_size
         self.requests: list[list[Any]] = []  # block hashes a prefix hit can cover
         self._seen: set[str] = set()
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         schedule = scheduler.schedule
 
         def recording_schedule(*args, **kwargs):

@@ -38,6 +38,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from long_doc_qa_hierarchy import Admissions
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # support.engine_harness
 OUT_DIR = ROOT / "docs" / "benchmarks"
@@ -91,27 +93,6 @@ def requests(shape: Shape, seed: int) -> tuple[list[list[int]], list[list[int]]]
     return warm, ([order] if shape.workload == "waves" else [[d] for d in order])
 
 
-class Admissions:
-    """The readable block hashes of each request, in the order vLLM admits them."""
-
-    def __init__(self, scheduler) -> None:
-        self.trace: list[list] = []
-        self._seen: set[str] = set()
-        schedule = scheduler.schedule
-
-        def recording(*args, **kwargs):
-            out = schedule(*args, **kwargs)
-            for new in out.scheduled_new_reqs:
-                if new.req_id not in self._seen:
-                    self._seen.add(new.req_id)
-                    request = scheduler.requests[new.req_id]
-                    readable = (len(request.prompt_token_ids) - 1) // BS
-                    self.trace.append(list(request.block_hashes[:readable]))
-            return out
-
-        scheduler.schedule = recording
-
-
 def run_shape(shape: Shape, mode: str, model_dir: str, seed: int) -> dict:
     """One engine: hit blocks of the measured pass, and Belady's on its admissions."""
     from kvoffload_hal.demo.eviction_replay import belady_hits
@@ -126,14 +107,14 @@ def run_shape(shape: Shape, mode: str, model_dir: str, seed: int) -> dict:
     if mode.endswith(EVICTING):  # the ablation: stores evict as with keep
         engine.offload.cpu.device_copies.spare_stores = False
     try:
-        admissions = Admissions(engine.scheduler)
+        admissions = Admissions(engine.scheduler, BS)
         warm, measured = requests(shape, seed)
         ids = _send(engine, warm, prompts, "w")
-        counted_from = len(admissions.trace)
+        counted_from = len(admissions.requests)
         ids = _send(engine, measured, prompts, "m")
         hits = sum(engine.cached_tokens[r] // BS for r in ids)
         keys: dict = {}
-        trace = [[keys.setdefault(h, len(keys)) for h in r] for r in admissions.trace]
+        trace = [[keys.setdefault(h, len(keys)) for h in r] for r in admissions.requests]
         capacity = (shape.device_blocks - 1) + (engine.offload.cpu.num_blocks - 1)
         best = belady_hits(trace, capacity, counted_from=counted_from)
         return {"hits": hits, "belady": best,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvoffload_hal import vllm_compat
+
 
 def _table(rows: list[dict]) -> list[str]:
     lines = ["| ms per block read | prefetch | TTFT steps mean | TTFT steps p90 | "
@@ -77,6 +79,6 @@ def write_report(rows: list[dict], out_dir: Path | None, setup: dict) -> None:
     print(text)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        tag = vllm.__version__.split("+")[0].replace(".", "")
+        tag = vllm_compat.vllm_tag()
         (out_dir / f"prefetch_vllm{tag}.md").write_text(text)
         _plot(rows, out_dir / f"prefetch_vllm{tag}.png")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvoffload_hal import vllm_compat
+
 
 def _harness_table(rows: list[dict]) -> list[str]:
     lines = ["| arrival | N | one copy per block | blocks copied | MiB copied | "
@@ -71,7 +73,7 @@ def write_report(harness: list[dict], engine: list[dict], out_dir: Path | None) 
     print(text)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        tag = vllm.__version__.split("+")[0].replace(".", "")
+        tag = vllm_compat.vllm_tag()
         (out_dir / f"shared_prefix_vllm{tag}.md").write_text(text)
         if harness:
             _plot(harness, out_dir / f"shared_prefix_vllm{tag}.png")

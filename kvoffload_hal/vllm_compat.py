@@ -93,6 +93,22 @@ STEPS_FOR_PUSH_WORK: bool = hasattr(connector_base.KVConnectorBase_V1, "has_pend
 # its scan of the waiting queue stopped at the first request it could not allocate,
 # so a request whose asynchronous load landed behind that one was not picked up.
 @functools.cache
+def vllm_release() -> tuple[int, int]:
+    """The installed vLLM's (major, minor): for tests and benchmarks that run on some
+    releases only, or name their outputs by release."""
+    import vllm
+
+    major, minor = vllm.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def vllm_tag() -> str:
+    """The installed vLLM's release without dots or local part (``0320`` for 0.32.0)."""
+    import vllm
+
+    return vllm.__version__.split("+")[0].replace(".", "")
+
+
 def block_holders_first() -> bool:
     scheduler = importlib.import_module("vllm.v1.core.sched.scheduler")  # at use: no cycle
     return hasattr(scheduler.Scheduler, "_holds_kv_blocks")

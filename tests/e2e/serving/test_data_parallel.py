@@ -29,9 +29,9 @@ from support.openai_server import BLOCK_SIZE, Server
 
 
 def _old_vllm() -> bool:
-    import vllm
+    from kvoffload_hal.vllm_compat import vllm_release
 
-    return tuple(int(x) for x in vllm.__version__.split(".")[:2]) < (0, 32)
+    return vllm_release() < (0, 32)
 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.two_cores,
