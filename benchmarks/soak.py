@@ -48,6 +48,9 @@ def main() -> int:
                         metavar=("MIN_S", "MAX_S"), help="seconds between faults")
     parser.add_argument("--work-dir", type=Path,
                         default=Path(tempfile.gettempdir()) / "kvoffload-soak")
+    parser.add_argument("--reference-load", action="store_true",
+                        help="after the run, drive the reference engine with the same clients "
+                             "and judge RSS growth against its own over the same requests")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     faults = tuple(f for f in args.faults.split(",") if f)
@@ -57,7 +60,8 @@ def main() -> int:
                      f"some of {', '.join(FAULTS)}")
     cfg = SoakConfig(minutes=args.minutes, clients=args.clients, seed=args.seed,
                      tiers=args.tiers, warmup_s=args.warmup_s, faults=faults,
-                     fault_every_s=tuple(args.fault_every), work_dir=args.work_dir)
+                     fault_every_s=tuple(args.fault_every), work_dir=args.work_dir,
+                     reference_load=args.reference_load)
     model = build_tiny_llama(str(Path(tempfile.gettempdir()) / "kvoffload-soak-model"))
     result = run(cfg, model)
     print(result.table())

@@ -14,6 +14,7 @@ from soak.config import (
     uses_disk,
     uses_mooncake,
 )
+from soak.reference_load import rss_at
 
 # Leak bounds, as a least-squares slope per 1000 requests after warm-up.
 SLOPE_BOUNDS = {"rss_bytes": 32 << 20, "fds": 2.0, "threads": 1.0,
@@ -60,7 +61,11 @@ def after_warmup(rows: list[dict], cfg: SoakConfig) -> list[dict]:
     return [r for r in rows if r["t"] >= start]
 
 
-def leak_checks(rows: list[dict], cfg: SoakConfig) -> list[Check]:
+def leak_checks(rows: list[dict], cfg: SoakConfig,
+                reference: list[dict] | None = None) -> list[Check]:
+    """Bounded caches and idle values vs just after warm-up; slopes per request.
+    ``reference``: the reference engine's RSS samples under the same load
+    (:mod:`.reference_load`), which the served server's RSS growth is judged against."""
     kept = after_warmup(rows, cfg)
     out = [Check("samples after warm-up (and a full disk tier, when it runs)",
                  f"{len(kept)} over {kept[-1]['requests'] - kept[0]['requests'] if kept else 0}"
@@ -74,11 +79,11 @@ def leak_checks(rows: list[dict], cfg: SoakConfig) -> list[Check]:
         out += mooncake_checks(rows)
     if kept:
         first, last = kept[0], rows[-1]  # the last row is taken once the server is idle
-        for key, slack in (("fds", 8), ("threads", 4), ("rss_bytes", cfg.rss_slack_bytes)):
-            shown = (lambda v: f"{v / 2**20:.0f} MiB") if key == "rss_bytes" else str
+        for key, slack in (("fds", 8), ("threads", 4)):
             out.append(Check(f"{key}: idle at the end vs after warm-up",
-                             f"{shown(last[key])} vs {shown(first[key])}",
-                             f"<= +{shown(slack)}", last[key] <= first[key] + slack))
+                             f"{last[key]} vs {first[key]}", f"<= +{slack}",
+                             last[key] <= first[key] + slack))
+        out.append(rss_check(first, last, cfg, reference))
     span = kept[-1]["requests"] - kept[0]["requests"] if kept else 0
     judged = span >= cfg.min_leak_requests
     bounds = {**SLOPE_BOUNDS, **cfg.leak_bounds}
@@ -90,6 +95,28 @@ def leak_checks(rows: list[dict], cfg: SoakConfig) -> list[Check]:
                          f" (judged over >= {cfg.min_leak_requests} requests)"),
                          slope <= bound or not judged))
     return out
+
+
+def rss_check(first: dict, last: dict, cfg: SoakConfig,
+              reference: list[dict] | None) -> Check:
+    """Idle RSS at the end vs after warm-up, within ``rss_slack_bytes``; with a
+    reference, within that much more than the reference engine grew over the same
+    span of requests (vLLM's CPU worker grows for its first thousands of requests,
+    connector or not)."""
+    mib = 1 << 20
+    grew = last["rss_bytes"] - first["rss_bytes"]
+    if reference is None:
+        return Check("rss_bytes: idle at the end vs after warm-up",
+                     f"{last['rss_bytes'] / mib:.0f} MiB vs {first['rss_bytes'] / mib:.0f} MiB",
+                     f"<= +{cfg.rss_slack_bytes / mib:.0f} MiB", grew <= cfg.rss_slack_bytes)
+    span = (first["requests"], last["requests"])
+    ref_grew = rss_at(reference, span[1]) - rss_at(reference, span[0])
+    return Check(f"rss_bytes: growth over requests {span[0]}-{span[1]}, idle at the end, "
+                 "vs the reference engine's over the same requests",
+                 f"{grew / mib:+.0f} MiB vs {ref_grew / mib:+.0f} MiB "
+                 f"(reference reached {reference[-1]['requests']})",
+                 f"<= reference + {cfg.rss_slack_bytes / mib:.0f} MiB",
+                 grew <= ref_grew + cfg.rss_slack_bytes)
 
 
 def token_checks(compared: list[tuple[list[int], list[int]]]) -> Check:

@@ -47,7 +47,11 @@ class SoakConfig:
     fault_rounds: int = 0  # each fault once per round; 0: as many as the time allows
     leak_bounds: dict = field(default_factory=dict)  # overrides checks.SLOPE_BOUNDS
     min_leak_requests: int = 1000  # slopes over fewer requests are shown, not judged
-    rss_slack_bytes: int = 256 << 20  # idle RSS at the end vs just after warm-up
+    # Idle RSS at the end vs just after warm-up may grow by this much; with
+    # reference_load, by this much more than the reference engine's own growth over the
+    # same requests (reference_load.py).
+    rss_slack_bytes: int = 256 << 20
+    reference_load: bool = False
 
     def __post_init__(self) -> None:
         if self.tiers not in TIER_CHOICES:

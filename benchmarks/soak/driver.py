@@ -11,7 +11,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from soak import checks, report, sampler, workload
+from soak import checks, reference_load, report, sampler, workload
 from soak.config import SoakConfig, tier_names, uses_disk
 from soak.faults import Fault, enabled, fault_loop
 from soak.stack import stack
@@ -120,11 +120,13 @@ def run(cfg: SoakConfig, model: str) -> Result:
         metrics = sampler.counters(served)
         compared = asyncio.run(replay(reference, sample_for_reference(cfg, outcomes),
                                       cfg.clients))
+        reference_rows = (asyncio.run(reference_load.drive(cfg, reference, rows[-1]["requests"]))
+                          if cfg.reference_load and rows else None)
         stop_s = served.stop(signal.SIGTERM, STOP_TIMEOUT_S)
         files_left = sampler.files_left(cfg.disk_path) if uses_disk(cfg) else None
         ours = our_tracebacks(served.log())
     found = [checks.token_checks(compared), *checks.outcome_checks(outcomes, cfg),
-             *checks.leak_checks(rows, cfg),
+             *checks.leak_checks(rows, cfg, reference_rows),
              *checks.balance_checks(cfg, probe, metrics, files_left),
              *checks.fault_checks(faults),
              checks.Check("server stops on SIGTERM", f"{stop_s:.1f} s", f"< {STOP_TIMEOUT_S:g} s",
@@ -150,8 +152,12 @@ def figures_of(cfg: SoakConfig, rows, outcomes, faults, metrics, seconds: float)
         "faults injected": ", ".join(f"{f.name} ({f.detail})" for f in faults) or "none",
         "scheduler hooks per step, p50 / p99": f"{p50:.3f} / {p99:.3f} ms over {steps} "
                                                "sampled steps after warm-up",
-        "RSS after warm-up / at the end": f"{first.get('rss_bytes', 0) / 2**20:.0f} / "
-                                          f"{last.get('rss_bytes', 0) / 2**20:.0f} MiB",
+        "RSS after warm-up / at the end (anonymous, file, shared)": " / ".join(
+            f"{r.get('rss_bytes', 0) / 2**20:.0f} ({r.get('rss_anon_bytes', 0) / 2**20:.0f}, "
+            f"{r.get('rss_file_bytes', 0) / 2**20:.0f}, {r.get('rss_shmem_bytes', 0) / 2**20:.0f})"
+            for r in (first, last)) + " MiB",
+        "RSS at the end by process": ", ".join(
+            f"{name} {b / 2**20:.0f}" for name, b in last.get("rss_by_proc", {}).items()) + " MiB",
         "fds, threads after warm-up / at the end": f"{first.get('fds')}, {first.get('threads')}"
                                                    f" / {last.get('fds')}, {last.get('threads')}",
         "counters": ", ".join(f"{k} {v:g}" for k, v in sorted(metrics.items())

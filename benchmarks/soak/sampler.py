@@ -23,20 +23,34 @@ MASTER_METRICS = {"master_key_count": "mooncake_keys",
                   "master_active_clients": "mooncake_clients"}
 
 
+# /proc/<pid>/status lines summed over the server's processes -> name in a sample. RSS is
+# split into anonymous, file-backed and shared memory, so a rise can be told apart (a
+# heap that grows, a mapped file read, a shared segment touched for the first time).
+STATUS_FIELDS = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes",
+                 "RssFile:": "rss_file_bytes", "RssShmem:": "rss_shmem_bytes"}
+
+
 def proc_stats(pids: list[int]) -> dict[str, float]:
-    rss = fds = threads = 0
+    out = dict.fromkeys(STATUS_FIELDS.values(), 0)
+    out.update(fds=0, threads=0, procs=len(pids))
+    by_proc: dict[str, int] = {}
     for pid in pids:
         try:
             status = Path(f"/proc/{pid}/status").read_text()
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
+            out["fds"] += len(os.listdir(f"/proc/{pid}/fd"))
         except OSError:
             continue
         for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                rss += int(line.split()[1]) * 1024
-            elif line.startswith("Threads:"):
-                threads += int(line.split()[1])
-    return {"rss_bytes": rss, "fds": fds, "threads": threads, "procs": len(pids)}
+            head, _, rest = line.partition("\t")
+            if head in STATUS_FIELDS:
+                out[STATUS_FIELDS[head]] += int(rest.split()[0]) * 1024
+            elif head == "Threads:":
+                out["threads"] += int(rest.split()[0])
+            elif head == "Name:":
+                name = rest.strip()
+        by_proc[f"{name}[{pid}]"] = out["rss_bytes"] - sum(by_proc.values())
+    out["rss_by_proc"] = by_proc
+    return out
 
 
 def tree_stats(root: Path) -> dict[str, int]:

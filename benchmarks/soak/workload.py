@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvoffload_hal.demo.tiny_model import synthetic_text
@@ -80,8 +81,10 @@ async def stream(client, model: str, out: Outcome, drop_after: int | None,
 
 
 async def client_loop(client, model: str, rng: random.Random, stop_at: float,
-                      outcomes: list[Outcome], deadline_s: float) -> None:
-    while time.monotonic() < stop_at:
+                      outcomes: list[Outcome], deadline_s: float,
+                      until: Callable[[], bool] | None = None) -> None:
+    """Requests one after another until ``stop_at`` (monotonic) or ``until()``."""
+    while time.monotonic() < stop_at and not (until is not None and until()):
         kind = rng.choices([k for k, _ in KINDS], weights=[w for _, w in KINDS])[0]
         out = Outcome(kind, prompt_for(kind, rng), rng.choice(MAX_TOKENS), time.monotonic())
         outcomes.append(out)

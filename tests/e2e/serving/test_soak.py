@@ -52,10 +52,12 @@ def test_a_short_soak_under_faults_stays_correct_and_leaks_nothing(tiny_model_di
     from support.mooncake_master import skip_reason
 
     # A minute's slopes are the server's warm-up and the disk tier refilling what a fault
-    # deleted, not leaks: on a quiet host (1877 requests after warm-up) RSS still rose
-    # as it does for its first minutes, and the files a 'remove' deleted came back. The
-    # short run holds the idle-vs-warm-up bounds (fds, threads, RSS, files under
-    # disk_path); the long runs (docs/benchmarks/soak/) judge the slopes.
+    # deleted, not leaks: the files a 'remove' deleted come back, and vLLM's CPU worker
+    # grows for its first thousands of requests with or without a connector (the
+    # reference engine under the same clients grew 460 MiB over 2700 requests). The short
+    # run holds the idle-vs-warm-up bounds (fds, threads, files under disk_path) and
+    # judges RSS growth against the reference engine's under the same load over the same
+    # requests; the long runs (docs/benchmarks/soak/) judge the slopes.
     # The Mooncake master's faults (frozen, killed) run in the long soak only: a freeze
     # with two Mooncake jobs overdue at once can stop the engine (docs/benchmarks/soak/).
     faults = ("enospc", "damage", "remove", "burst")
@@ -63,7 +65,8 @@ def test_a_short_soak_under_faults_stays_correct_and_leaks_nothing(tiny_model_di
                      tiers="chain" if skip_reason() is None else "disk",
                      fault_every_s=(2.0, 3.0), fault_hold_s=4.0, request_deadline_s=90.0,
                      sample_every_s=1.0, reference_share=0.3, max_reference=40,
-                     faults=faults, fault_rounds=1, min_leak_requests=sys.maxsize)
+                     faults=faults, fault_rounds=1, min_leak_requests=sys.maxsize,
+                     reference_load=True, rss_slack_bytes=128 << 20)
     result = run(cfg, tiny_model_dir)
     failed = [c for c in result.checks if not c.ok]
     assert not failed, result.table()
