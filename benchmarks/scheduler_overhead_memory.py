@@ -85,7 +85,7 @@ def measure_one(eviction: str, cpu_blocks: int, steady_tiers: float, trace: bool
     """One policy at one size, in this process (see the module docstring)."""
     import logging
 
-    from scheduler_overhead import MODEL, MODEL_DIR, make_scheduler, make_vllm_config
+    from scheduler_overhead_engine import MODEL, MODEL_DIR, make_scheduler, make_vllm_config
 
     from kvoffload_hal.demo.tiny_model import build_tiny_llama
 

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import Request
 
-    from kvoffload_hal.scheduler.cascade.reads import TierReads
     from kvoffload_hal.scheduler.cpu_tier import Hit
     from kvoffload_hal.tiers.spec import BlockKey
 
@@ -38,7 +37,6 @@ class NullCascade(RequestPart):
     """One tier's calls, each doing nothing (see the module docstring)."""
 
     stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)
-    reads: TierReads | None = None  # every read of the tier's blocks (reads.py)
     names = TierNames()
 
     def may_stage(self) -> bool:
