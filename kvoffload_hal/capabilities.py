@@ -261,7 +261,7 @@ class OlderVllmRetrying(OlderVllm):
     def settle_staged_hit(self, sink: LoadSink, req_id: str, unfilled: list[int],
                           reports: OffloadWorkerMetadata) -> None:
         if unfilled:
-            # The hit was checked (scheduler/cascade/staged_check.py) and its last copy
+            # The hit was checked (scheduler/secondary/staged_check.py) and its last copy
             # still failed: this vLLM would read the blocks, it cannot recompute them.
             raise LoadFailedError(
                 f"HALOffloadConnector: the last copy of request {req_id}'s staged KV hit "

@@ -42,7 +42,7 @@ class LoadSpec(NamedTuple):
     cpu_blocks: list[int]
     gpu_blocks: list[int]
     sync: bool = False
-    # A round of a staged hit (scheduler/cascade/staged.py, one request): ``final`` is the
+    # A round of a staged hit (scheduler/secondary/staged.py, one request): ``final`` is the
     # request's asynchronous load, reported in finished_recving once it and every
     # earlier round of the request landed, failed if any of them failed or
     # ``failed_gpu_blocks`` (blocks no round filled) is not empty; an earlier round

@@ -5,12 +5,12 @@ wires the CPU tier (:mod:`.cpu_tier`, vLLM's own ``BlockPool``, with its evictio
 policy from :mod:`kvoffload_hal.eviction`), the choice of blocks to store
 (:mod:`.store_policy`), the jobs that move them (:mod:`.load_jobs`,
 :mod:`.store_jobs`, both counted with :mod:`.jobs`) and the scheduler half of the
-secondary tier (:mod:`.cascade`).
+secondary tier (:mod:`.secondary`).
 """
 
 
 def __getattr__(name: str):
-    # Lazy: importing .cascade or .jobs does not import the whole scheduler.
+    # Lazy: importing .secondary or .jobs does not import the whole scheduler.
     if name == "OffloadScheduler":
         from kvoffload_hal.scheduler.core import OffloadScheduler
 

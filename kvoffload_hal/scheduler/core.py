@@ -3,9 +3,9 @@
 The CPU tier itself is :class:`~kvoffload_hal.scheduler.cpu_tier.CpuTier` (vLLM's own
 ``BlockPool`` and ``KVCacheCoordinator``), the choice of blocks to store is a
 :class:`~kvoffload_hal.scheduler.store_policy.StorePolicy`, and a secondary tier behind
-the CPU tier is a :class:`~kvoffload_hal.scheduler.cascade.chain.TierChain` of them,
+the CPU tier is a :class:`~kvoffload_hal.scheduler.secondary.chain.TierChain` of them,
 nearest first (maybe empty), built from the tiers' specs by
-:mod:`kvoffload_hal.scheduler.cascade.build`. Loads and stores are
+:mod:`kvoffload_hal.scheduler.secondary.build`. Loads and stores are
 :class:`~kvoffload_hal.scheduler.load_jobs.LoadJobs` and
 :class:`~kvoffload_hal.scheduler.store_jobs.StoreJobs`. Every block they borrow
 stays referenced until the copy is over:
@@ -38,13 +38,13 @@ from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvoffload_hal.metrics import OffloadStats, StatsLedger
 from kvoffload_hal.scheduler.admission import LoadRoom
-from kvoffload_hal.scheduler.cascade.build import build_chain
-from kvoffload_hal.scheduler.cascade.prefetch import build_prefetcher
-from kvoffload_hal.scheduler.cascade.staged import StagedHits
 from kvoffload_hal.scheduler.cpu_tier import CpuTier
 from kvoffload_hal.scheduler.load_jobs import LoadJobs
 from kvoffload_hal.scheduler.parts import Parts
 from kvoffload_hal.scheduler.room import CpuRoom
+from kvoffload_hal.scheduler.secondary.build import build_chain
+from kvoffload_hal.scheduler.secondary.prefetch import build_prefetcher
+from kvoffload_hal.scheduler.secondary.staged import StagedHits
 from kvoffload_hal.scheduler.store_jobs import StoreJobs
 from kvoffload_hal.scheduler.store_policy import (
     EagerPolicy,
@@ -130,7 +130,7 @@ class OffloadScheduler:
 
     # --------------------------------------------------------------- loads
     def on_new_request(self, request: Request) -> None:
-        self.prefetch.add(request)  # scheduler/cascade/prefetch.py: looked at while it waits
+        self.prefetch.add(request)  # scheduler/secondary/prefetch.py: looked at while it waits
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -4,7 +4,7 @@ Every TP/PP rank copies its own shard of a block, so a job is over only when
 all ``world_size`` ranks reported it; one failed rank fails the whole job, and
 a key that failed on any rank failed. Loads (:mod:`.load_jobs`), stores
 (:mod:`.store_jobs`) and the secondary tiers' jobs
-(:mod:`kvoffload_hal.scheduler.cascade.tier_cascade`) each keep one :class:`JobBook`.
+(:mod:`kvoffload_hal.scheduler.secondary.promotions`) each keep one :class:`JobBook`.
 """
 
 from __future__ import annotations

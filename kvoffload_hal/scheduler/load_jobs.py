@@ -1,7 +1,7 @@
 """CPU->device load jobs, from a CPU hit to its release: the one book of every load.
 
 Runs in the scheduler process. Plain loads are planned here; a staged hit's rounds
-(:mod:`~kvoffload_hal.scheduler.cascade.staged`) are load jobs of the same book: one id
+(:mod:`~kvoffload_hal.scheduler.secondary.staged`) are load jobs of the same book: one id
 sequence (the workers' copy queues go by job id), one count of rank reports, one set of
 *busy* CPU blocks, one set of requests whose load failed, one device pool.
 
@@ -173,7 +173,7 @@ class LoadJobs(RequestPart):
     def release_unallocated(self) -> None:
         """Hits held this step whose request vLLM could not allocate: vLLM looks it up
         again, so its hit need not stay pinned meanwhile (where the device is full, for
-        as long as the requests holding it wait for CPU room; see scheduler/cascade/staged.py)."""
+        as long as the requests holding it wait for CPU room; see scheduler/secondary/staged.py)."""
         for req_id in list(self._pending_hits):
             self.release_hit(req_id)
 

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.chain import TierChain
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.scheduler.secondary.chain import TierChain
 
 logger = init_logger(__name__)
 

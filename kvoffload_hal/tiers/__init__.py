@@ -5,5 +5,5 @@ base class (:mod:`.worker_pool`), the identity of a block's
 bytes (:mod:`.identity`, :mod:`.weights_digest`, :mod:`.block_value`) and one folder
 per tier (``disk/``, ``mooncake/``). Imported in every process; nothing here imports
 the scheduler or the worker, whose halves of a tier live in
-:mod:`kvoffload_hal.scheduler.cascade` and :mod:`kvoffload_hal.worker`.
+:mod:`kvoffload_hal.scheduler.secondary` and :mod:`kvoffload_hal.worker`.
 """

@@ -15,7 +15,7 @@ halves. The connector, the scheduler and the worker find specs through
 * **Scheduler half**: a :class:`SchedulerHalf`, a description of what the scheduler
   keeps for the tier (how many blocks, whether it rebuilds its index after a restart,
   how long a request waits on a shared tier). The scheduler process builds the
-  machinery from it (``scheduler/cascade/``): spills, promotions, staged hits,
+  machinery from it (``scheduler/secondary/``): spills, promotions, staged hits,
   prefetch, and for a tier ``shared_across_instances``, existence queries and the
   circuit breaker. A tier author writes none of that.
 * **Worker half**: a :class:`SecondaryTier` (usually a

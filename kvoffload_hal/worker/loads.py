@@ -9,7 +9,7 @@
 * Where vLLM cannot recompute a failed asynchronous load at all (load recovery
   ``retry``), a failed attempt is withheld from vLLM and told to the scheduler side,
   which sends the load again.
-* A **staged hit's round** (:mod:`kvoffload_hal.scheduler.cascade.staged`): an earlier round is
+* A **staged hit's round** (:mod:`kvoffload_hal.scheduler.secondary.staged`): an earlier round is
   reported in the worker metadata and a failure kept for the last round, which
   finishes the request, failed if any of its rounds failed or left blocks unfilled
   (with load recovery ``retry`` the engine stops instead: the hit was checked first).

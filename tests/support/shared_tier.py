@@ -1,4 +1,4 @@
-"""A SharedTierCascade on a real CpuTier with a fake clock, and the requests its tests send.
+"""A SharedTier on a real CpuTier with a fake clock, and the requests its tests send.
 
 The scheduler half of a tier shared across instances, named as the Mooncake tier
 (its counters are ``mooncake_*``), without a store: the tests play the workers'
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.scheduler.cascade.base import TierNames
-from kvoffload_hal.scheduler.cascade.shared import SharedTierCascade, SharedTierIndex
+from kvoffload_hal.scheduler.secondary.base import TierNames
+from kvoffload_hal.scheduler.secondary.shared import SharedTier, SharedTierIndex
 from support.clock import FakeClock
 
 BS = 16
@@ -22,7 +22,7 @@ MOONCAKE = TierNames("mooncake", "Mooncake tier")
 class SharedRig(NamedTuple):
     engine: object
     cpu: object
-    tiers: SharedTierCascade
+    tiers: SharedTier
     clock: FakeClock
 
 
@@ -30,7 +30,7 @@ def shared_rig(make_engine, cpu_blocks: int, world_size: int = 2,
                known_keys: int = 64) -> SharedRig:
     engine = make_engine(cpu_blocks=cpu_blocks)
     clock = FakeClock()
-    tiers = SharedTierCascade(SharedTierIndex(known_keys), engine.offload.cpu,
+    tiers = SharedTier(SharedTierIndex(known_keys), engine.offload.cpu,
                               world_size=world_size, stats=StatsLedger(), timeout_s=TIMEOUT_S,
                               clock=clock, names=MOONCAKE)
     return SharedRig(engine, engine.offload.cpu, tiers, clock)

@@ -15,8 +15,8 @@ The rules (``docs/design.md``, "Layers"):
    not import each other (the scheduler and the worker, the tiers and the
    eviction policies, ...).
 2. Inside a folder, a subfolder and its siblings do not import each other both
-   ways (``scheduler/cascade/`` uses ``scheduler/cpu_tier.py``; nothing it uses
-   imports ``scheduler/cascade/`` back). Modules of one folder may refer to
+   ways (``scheduler/secondary/`` uses ``scheduler/cpu_tier.py``; nothing it uses
+   imports ``scheduler/secondary/`` back). Modules of one folder may refer to
    each other's types: the folder is the unit of the rules.
 3. The settings and the capabilities use a plug-in family through its contract
    and registry only, never an implementation (``config.py`` validates an
@@ -278,33 +278,33 @@ def test_the_check_finds_a_subfolder_cycle_and_a_missing_module(tmp_path):
     _write(tmp_path, {
         "kvoffload_hal/__init__.py": "",
         "kvoffload_hal/scheduler/__init__.py": "",
-        "kvoffload_hal/scheduler/cpu_tier.py": "import kvoffload_hal.scheduler.cascade.index\n",
+        "kvoffload_hal/scheduler/cpu_tier.py": "import kvoffload_hal.scheduler.secondary.index\n",
         "kvoffload_hal/scheduler/jobs.py": "import kvoffload_hal.scheduler.cpu_tier\n",
         "kvoffload_hal/scheduler/core.py": "from kvoffload_hal.scheduler import jobs\n",
-        "kvoffload_hal/scheduler/cascade/__init__.py": "",
-        "kvoffload_hal/scheduler/cascade/index.py": (
+        "kvoffload_hal/scheduler/secondary/__init__.py": "",
+        "kvoffload_hal/scheduler/secondary/index.py": (
             "from kvoffload_hal.scheduler.jobs import X\n"
             "from kvoffload_hal.scheduler.staged import Y\n"),
     })
     problems = check({PACKAGE: tmp_path / "kvoffload_hal"}, tmp_path)
     assert problems == [
-        "kvoffload_hal/scheduler/cascade/index.py:2: kvoffload_hal.scheduler.staged: "
+        "kvoffload_hal/scheduler/secondary/index.py:2: kvoffload_hal.scheduler.staged: "
         "no such module",
-        "kvoffload_hal.scheduler: cascade <-> cpu_tier <-> jobs import each other:\n"
-        "  kvoffload_hal/scheduler/cascade/index.py:1: kvoffload_hal.scheduler.cascade.index "
-        "imports kvoffload_hal.scheduler.jobs\n"
+        "kvoffload_hal.scheduler: cpu_tier <-> jobs <-> secondary import each other:\n"
         "  kvoffload_hal/scheduler/cpu_tier.py:1: kvoffload_hal.scheduler.cpu_tier "
-        "imports kvoffload_hal.scheduler.cascade.index\n"
+        "imports kvoffload_hal.scheduler.secondary.index\n"
         "  kvoffload_hal/scheduler/jobs.py:1: kvoffload_hal.scheduler.jobs "
-        "imports kvoffload_hal.scheduler.cpu_tier",
+        "imports kvoffload_hal.scheduler.cpu_tier\n"
+        "  kvoffload_hal/scheduler/secondary/index.py:1: kvoffload_hal.scheduler.secondary.index "
+        "imports kvoffload_hal.scheduler.jobs",
     ]
 
 
 @pytest.mark.parametrize("file, line, expected", [
     ("tiers/spec.py", "    from kvoffload_hal.scheduler.cpu_tier import CpuTier\n",
      "plug-in families 'tiers' imports a higher layer, sides 'scheduler'"),
-    ("scheduler/cpu_tier.py", "    from kvoffload_hal.scheduler.cascade.index import TierIndex\n",
-     "cascade <-> cpu_tier "),
+    ("scheduler/cpu_tier.py", "    from kvoffload_hal.scheduler.secondary.index import TierIndex\n",
+     "<-> secondary import each other"),
     ("config.py", "    from kvoffload_hal.eviction.adaptive import AdaptiveEviction\n",
      "use the family's contract or registry"),
     ("eviction/base.py", "    from kvoffload_hal.tiers.spec import BlockKey\n",

@@ -28,7 +28,7 @@ request (the workers list it and hand the keys over at start-up); the worker hal
 rank. Models with several KV cache groups keep one file per (group, block).
 
 With ``disk_shared`` the scheduler half is that of a tier shared across instances
-(``scheduler/cascade/shared.py``: an existence query before a hit on blocks it did
+(``scheduler/secondary/shared.py``: an existence query before a hit on blocks it did
 not write, bounded waits, the circuit breaker), except that the blocks it evicts
 are deleted, from its own directory only: each engine bounds its own files, and
 the engines on one ``disk_path`` hold at most the sum of their shares there.
@@ -59,14 +59,14 @@ RETENTIONS = ("keep", "remove")
 # With disk_shared: the longest a request waits for an existence query or a read
 # before it recomputes (and the circuit breaker's first window). A local disk
 # answers in milliseconds; this only bounds a hung one, as the CPU tier's own
-# wait for room does (scheduler/cascade/tier_cascade.py: MAX_ROOM_WAIT_S).
+# wait for room does (scheduler/secondary/promotions.py: MAX_ROOM_WAIT_S).
 SHARED_WAIT_S = 10.0
 
 
 class DiskTierSpec(TierSpec):
     name = "disk"
     label = "disk tier"
-    one_group_only = False  # one entry per (group, block): scheduler/cascade/groups.py
+    one_group_only = False  # one entry per (group, block): scheduler/secondary/groups.py
     switch_key = "disk_path"
     keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct", "disk_retention",
             "disk_shared")
@@ -77,7 +77,7 @@ class DiskTierSpec(TierSpec):
         self.bytes_to_use = bytes_to_use
         self.o_direct = o_direct
         self.keep = retention == "keep"
-        # Per instance: the scheduler then builds a shared tier's cascade, and
+        # Per instance: the scheduler then builds the shared tier's own scheduler side, and
         # vLLM's sleep mode is refused (peers keep serving pre-sleep blocks).
         self.shared_across_instances = shared
 

@@ -2,7 +2,7 @@
 
 Its keys are documented in :mod:`kvoffload_hal.tiers.mooncake.config`. The
 scheduler remembers up to :data:`KNOWN_KEYS` keys the store holds and waits at most
-``mooncake_timeout_s`` for the store (``scheduler/cascade/shared.py`` does the rest);
+``mooncake_timeout_s`` for the store (``scheduler/secondary/shared.py`` does the rest);
 the worker half is :class:`~kvoffload_hal.tiers.mooncake.worker.MooncakeTier`,
 one store client per rank, one object per (group, block); instances find
 each other's blocks only with the same ``PYTHONHASHSEED``.
@@ -30,7 +30,7 @@ KNOWN_KEYS = 1 << 16
 class MooncakeTierSpec(TierSpec):
     name = "mooncake"
     label = "Mooncake tier"
-    one_group_only = False  # one entry per (group, block): scheduler/cascade/groups.py
+    one_group_only = False  # one entry per (group, block): scheduler/secondary/groups.py
     switch_key = "mooncake_master"
     keys = MOONCAKE_KEYS
     shared_across_instances = True

@@ -9,7 +9,7 @@ flight when the repeated prompt arrives: it must wait for them and come back fro
 disk, not be recomputed whole (which the engine used to do at random, whenever a
 write had not been collected yet). And the hit, about 14 blocks behind a CPU tier of
 3 usable ones, comes back whole: staged through the CPU tier in rounds
-(``kvoffload_hal/scheduler/cascade/staged.py``), where it used to bring back 3 blocks and
+(``kvoffload_hal/scheduler/secondary/staged.py``), where it used to bring back 3 blocks and
 recompute the rest.
 """
 

@@ -7,7 +7,7 @@ promotion would need 48 of them and the staged hit needs 18 (every global block,
 the last two blocks of each window). The document is served, pushed out of the device
 and the CPU tier by two others, and served again: the same tokens as without the
 connector, and every full block of it served from the disk through the CPU tier in
-rounds (``kvoffload_hal/scheduler/cascade/staged.py``).
+rounds (``kvoffload_hal/scheduler/secondary/staged.py``).
 
 Tiny Qwen3-Next the same way (a full-attention group and three Gated DeltaNet groups,
 whose state is needed at the hit's end only; the lazy store): a CPU tier of 5 blocks, a
@@ -17,7 +17,7 @@ each step, and the hit waited until it gave up.
 
 vLLM 0.23 cannot be told that a load of such a model failed (no per-request report):
 there the hit's disk blocks are read once before it is offered
-(``kvoffload_hal/scheduler/cascade/staged_check.py``), then staged the same way
+(``kvoffload_hal/scheduler/secondary/staged_check.py``), then staged the same way
 (Qwen3-Next is not run there: its CPU platform has no prefix caching for it).
 """
 

@@ -1,7 +1,7 @@
 """A tier block that failed its read is forgotten: no later request reads it again.
 
-A staged hit's promotion (scheduler/cascade/staged.py) and, on vLLM < 0.32 with several
-KV cache groups, the check before the offer (scheduler/cascade/staged_check.py) read tier
+A staged hit's promotion (scheduler/secondary/staged.py) and, on vLLM < 0.32 with several
+KV cache groups, the check before the offer (scheduler/secondary/staged_check.py) read tier
 blocks through the CPU tier. A read that fails (here: a disk block whose checksum no
 longer matches) ends the hit there and drops the block's key from the tier's index. The
 request recomputes that block, its spill writes it again, and the next request on the

@@ -1,16 +1,16 @@
-"""TierChain on two real TierCascades over one CpuTier: writes go through the chain, a
+"""TierChain on two real PromotingTiers over one CpuTier: writes go through the chain, a
 block is read from the nearest tier that holds it, and the CPU room goes by RoomKind."""
 
 import pytest
 
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.scheduler.cascade.base import TierNames
-from kvoffload_hal.scheduler.cascade.chain import TierChain
-from kvoffload_hal.scheduler.cascade.index import TierIndex
-from kvoffload_hal.scheduler.cascade.reads import TierReads
-from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
+from kvoffload_hal.scheduler.secondary.base import TierNames
+from kvoffload_hal.scheduler.secondary.chain import TierChain
+from kvoffload_hal.scheduler.secondary.index import TierIndex
+from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
+from kvoffload_hal.scheduler.secondary.reads import TierReads
 
 BS = 16
 
@@ -20,7 +20,7 @@ def chain(make_engine):
     engine = make_engine(cpu_blocks=8)
     cpu, stats = engine.offload.cpu, StatsLedger()
     reads = TierReads(cpu, CpuRoom(cpu), stats)
-    tiers = [TierCascade(TierIndex(16), cpu, world_size=1, stats=stats,
+    tiers = [PromotingTier(TierIndex(16), cpu, world_size=1, stats=stats,
                          names=TierNames(name, name), reads=reads) for name in ("near", "far")]
     return engine, cpu, TierChain(tiers, reads)
 

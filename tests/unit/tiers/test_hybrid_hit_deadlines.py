@@ -4,7 +4,7 @@ The multi-group versions of the one-group tests in test_staged_hits.py and
 test_object_store_tier.py (a staged hit without CPU room, a staged read that does not
 land in time). Two full-attention and two sliding-window KV cache groups. On vLLM < 0.32
 the hit's tier blocks are read by a check before it is offered
-(scheduler/cascade/staged_check.py); on later vLLM the staged hit reads them. Either way
+(scheduler/secondary/staged_check.py); on later vLLM the staged hit reads them. Either way
 the request is recomputed once the CPU tier stayed full for the reads' limit, or once a
 read stayed in flight past the tier's wait, and finishes token-identical.
 

@@ -2,13 +2,13 @@
 as its help text on ``/metrics`` says: a write that failed (ENOSPC) and a read that
 failed (a damaged or removed file). Found by the soak (benchmarks/soak.py): a run with
 a full tmpfs and damaged and removed block files logged the failures but the counter
-stayed at zero; only the shared tier's cascade (scheduler/cascade/shared.py) counts."""
+stayed at zero; only the shared tier (scheduler/secondary/shared.py) counts."""
 
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.scheduler.cascade.base import TierNames
-from kvoffload_hal.scheduler.cascade.index import TierIndex
-from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
+from kvoffload_hal.scheduler.secondary.base import TierNames
+from kvoffload_hal.scheduler.secondary.index import TierIndex
+from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
 
 BS = 16
 DISK = TierNames("disk", "disk tier")
@@ -19,7 +19,7 @@ def test_a_failed_write_counts_in_disk_failed_blocks(make_engine):
 
     engine = make_engine(cpu_blocks=8)
     cpu = engine.offload.cpu
-    tiers = TierCascade(TierIndex(16), cpu, world_size=1, stats=StatsLedger(), names=DISK)
+    tiers = PromotingTier(TierIndex(16), cpu, world_size=1, stats=StatsLedger(), names=DISK)
     req = engine.add("r0", [1 + i % 50 for i in range(3 * BS + 1)])
     engine.scheduler.waiting.remove(req)
     blocks = cpu.allocate(3)

@@ -1,5 +1,5 @@
 """Prefetch: waiting requests' secondary-tier blocks promoted into the CPU tier before
-vLLM's scheduler looks them up (scheduler/cascade/prefetch.py).
+vLLM's scheduler looks them up (scheduler/secondary/prefetch.py).
 
 vLLM's real scheduler in the engine harness: two long "filler" requests take both
 running slots, documents served before (now on disk only) wait behind them; the

@@ -2,7 +2,7 @@
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from kvoffload_hal.scheduler.cascade.groups import GroupKeys
+from kvoffload_hal.scheduler.secondary.groups import GroupKeys
 
 POSITIONS = [bytes([i]) * 32 for i in range(6)]  # block hashes of one request
 

@@ -1,10 +1,10 @@
-"""SharedTierCascade's circuit breaker on a fake clock: what opens it, what an open breaker
+"""SharedTier's circuit breaker on a fake clock: what opens it, what an open breaker
 skips, the probe that closes it, and an engine that does not step for a frozen store."""
 
 import pytest
 
 from kvoffload_hal.metadata import JobReport
-from kvoffload_hal.scheduler.cascade.breaker import BreakerState
+from kvoffload_hal.scheduler.secondary.breaker import BreakerState
 from support.shared_tier import TIMEOUT_S, shared_rig, tier_keys, waiting_request
 
 

@@ -1,5 +1,5 @@
 """vLLM < 0.32, a hybrid model: a staged hit that fails after its check is refused by the
-scheduler side itself (scheduler/cascade/staged_check.py, ``refuse_failure``).
+scheduler side itself (scheduler/secondary/staged_check.py, ``refuse_failure``).
 
 That vLLM cannot recompute a failed load of several KV cache groups, so once a checked
 hit was offered nothing it brings may fail. When a round's copy fails, the scheduler

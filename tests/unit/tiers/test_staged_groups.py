@@ -1,4 +1,4 @@
-"""Staged hits of a model with several KV cache groups (scheduler/cascade/staged.py).
+"""Staged hits of a model with several KV cache groups (scheduler/secondary/staged.py).
 
 Four groups, as vLLM groups a hybrid model's layers: two full-attention ones and two
 sliding-window ones (a 32-token window: the last two blocks before a hit's end). The
@@ -7,7 +7,7 @@ loaded into the wrong place, read before it landed, or missing from a window fai
 the test unless it was reported as a failed load.
 
 vLLM < 0.32 cannot be told that a load of several groups failed: there a hit's tier
-blocks are read once (checked) before it is offered (scheduler/cascade/staged_check.py).
+blocks are read once (checked) before it is offered (scheduler/secondary/staged_check.py).
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""Disk hits longer than the CPU tier, staged through it in rounds (scheduler/cascade/staged.py).
+"""Disk hits longer than the CPU tier, staged through it in rounds (scheduler/secondary/staged.py).
 
 vLLM's real scheduler and both connector roles (``engine_harness.py``): the fake model
 checks every KV read, so a block loaded into the wrong place, or read before it
@@ -221,7 +221,7 @@ def test_a_failed_load_of_a_promoted_hit_is_not_promoted_again(make_engine, tmp_
 def test_a_staged_hit_without_room_gives_up_and_recomputes(make_engine, tmp_path, monkeypatch):
     """Disk writes that never end hold every CPU block: after MAX_ROOM_WAIT_S the rest
     of the hit is reported failed and recomputed, with nothing stranded."""
-    from kvoffload_hal.scheduler.cascade import reads
+    from kvoffload_hal.scheduler.secondary import reads
 
     monkeypatch.setattr(reads, "MAX_ROOM_WAIT_S", 0.3)
     engine = make_engine(cpu_blocks=4, num_gpu_blocks=16, extra_config={

@@ -1,6 +1,6 @@
 """TierIndex: capacity, LRU eviction, pins and readiness."""
 
-from kvoffload_hal.scheduler.cascade.index import TierIndex
+from kvoffload_hal.scheduler.secondary.index import TierIndex
 
 
 def test_reserve_commit_and_ready_run():

@@ -1,10 +1,10 @@
 """What one tier's scheduler half answers, each call doing nothing by default.
 
-Runs in the scheduler process. :class:`NullCascade` is the base of every tier's
-machinery (:class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade`, built
+Runs in the scheduler process. :class:`SchedulerTier` is the base of every tier's
+machinery (:class:`~kvoffload_hal.scheduler.secondary.promotions.PromotingTier`, built
 from the tier's :class:`~kvoffload_hal.tiers.spec.SchedulerHalf` by
-:func:`~kvoffload_hal.scheduler.cascade.build.build_chain`); ``scheduler/core.py``
-calls the chain of them, :class:`~kvoffload_hal.scheduler.cascade.chain.TierChain`.
+:func:`~kvoffload_hal.scheduler.secondary.build.build_chain`); ``scheduler/core.py``
+calls the chain of them, :class:`~kvoffload_hal.scheduler.secondary.chain.TierChain`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class TierNames(NamedTuple):
     label: str = "secondary tier"
 
 
-class NullCascade(RequestPart):
+class SchedulerTier(RequestPart):
     """One tier's calls, each doing nothing (see the module docstring)."""
 
     stages = False  # whether hits longer than the CPU tier's room are staged (staged.py)

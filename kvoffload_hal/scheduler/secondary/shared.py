@@ -1,7 +1,7 @@
 """Scheduler side of a tier shared by every instance (``shared_across_instances``:
 the Mooncake Store). Runs in the scheduler process.
 
-A local tier's :class:`~kvoffload_hal.scheduler.cascade.index.TierIndex` knows everything
+A local tier's :class:`~kvoffload_hal.scheduler.secondary.index.TierIndex` knows everything
 the tier holds: only this instance writes it. A shared store also holds what
 other instances wrote, and loses objects the master evicts. So:
 
@@ -10,7 +10,7 @@ other instances wrote, and loses objects the master evicts. So:
   nothing (other instances may read it; a store that does not evict by itself,
   a shared disk, deletes what this instance wrote: ``deletes_evicted``); a stale
   entry only makes one read fail, and that block is recomputed.
-* :class:`SharedTierCascade` asks the store when a lookup misses the CPU tier
+* :class:`SharedTier` asks the store when a lookup misses the CPU tier
   and the index knows nothing of the next blocks: it queues an **existence
   query** (a probe job, run by the workers, which hold the store clients; the
   scheduler never touches the network) and tells the request to ask again.
@@ -21,7 +21,7 @@ other instances wrote, and loses objects the master evicts. So:
   and recomputes (counted in ``<name>_timeouts``). A promotion it stopped waiting for keeps its CPU
   blocks referenced until the workers report it, so a late read never writes
   into a reused block.
-* A **circuit breaker** (:mod:`~kvoffload_hal.scheduler.cascade.breaker`) turns those
+* A **circuit breaker** (:mod:`~kvoffload_hal.scheduler.secondary.breaker`) turns those
   outcomes into one decision: a timeout, or three jobs in a row that failed
   as a whole (every key), open it. While it is open, lookups answer a miss at
   once (no query, no wait; requests already waiting stop waiting) and spills
@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.metadata import TierJobs, TierJobSpec
-from kvoffload_hal.scheduler.cascade.base import TierNames
-from kvoffload_hal.scheduler.cascade.breaker import BreakerState, CircuitBreaker
-from kvoffload_hal.scheduler.cascade.index import TierIndex, _Entry
-from kvoffload_hal.scheduler.cascade.spill import JobKind
-from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade, TierStep
 from kvoffload_hal.scheduler.jobs import RankTally
 from kvoffload_hal.scheduler.room import RoomKind
+from kvoffload_hal.scheduler.secondary.base import TierNames
+from kvoffload_hal.scheduler.secondary.breaker import BreakerState, CircuitBreaker
+from kvoffload_hal.scheduler.secondary.index import TierIndex, _Entry
+from kvoffload_hal.scheduler.secondary.promotions import PromotingTier, TierStep
+from kvoffload_hal.scheduler.secondary.spill import JobKind
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.reads import TierReads
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
+    from kvoffload_hal.scheduler.secondary.reads import TierReads
 
 @dataclass
 class SharedTierIndex(TierIndex):
@@ -102,7 +102,7 @@ class _Probe:
 SPILLS = "(spills)"
 
 
-class SharedTierCascade(TierCascade):
+class SharedTier(PromotingTier):
     def __init__(self, index: SharedTierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,

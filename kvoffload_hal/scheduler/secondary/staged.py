@@ -1,7 +1,7 @@
 """Tier hits longer than the CPU tier has room for, served in full by staging them through it.
 
 A promotion brings a tier's blocks into free CPU blocks, and the request then loads its
-CPU hit to the device (:mod:`.tier_cascade`); a run longer than the free CPU blocks
+CPU hit to the device (:mod:`.promotions`); a run longer than the free CPU blocks
 would lose its tail that way. Such a hit is *staged* instead:
 
 1. The lookup answers the whole hit as an asynchronous load: vLLM allocates device
@@ -50,18 +50,18 @@ from typing import TYPE_CHECKING
 from vllm.utils.math_utils import cdiv
 
 from kvoffload_hal.metadata import LoadSpec
-from kvoffload_hal.scheduler.cascade.groups import GroupKeys
-from kvoffload_hal.scheduler.cascade.staged_check import StagedChecks
-from kvoffload_hal.scheduler.cascade.staged_plan import (
+from kvoffload_hal.scheduler.load_jobs import RoundJob
+from kvoffload_hal.scheduler.parts import RequestPart
+from kvoffload_hal.scheduler.room import RoomKind
+from kvoffload_hal.scheduler.secondary.groups import GroupKeys
+from kvoffload_hal.scheduler.secondary.staged_check import StagedChecks
+from kvoffload_hal.scheduler.secondary.staged_plan import (
     NotStaged,
     Round,
     Slot,
     Staged,
     plan_chain_hit,
 )
-from kvoffload_hal.scheduler.load_jobs import RoundJob
-from kvoffload_hal.scheduler.parts import RequestPart
-from kvoffload_hal.scheduler.room import RoomKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -71,10 +71,10 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.capabilities import VllmStrategy
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.chain import TierChain
-    from kvoffload_hal.scheduler.cascade.reads import Entry, TierRead
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.scheduler.load_jobs import LoadJobs
+    from kvoffload_hal.scheduler.secondary.chain import TierChain
+    from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead
 
 
 

@@ -1,13 +1,13 @@
 """Scheduler side of a secondary tier: its jobs to the workers, and write-through spills.
 
-:class:`SpillCascade` sends a step's tier jobs (spills, promotions, and a subclass's own
+:class:`SpillingTier` sends a step's tier jobs (spills, promotions, and a subclass's own
 kinds) as one job per kind, counts the ranks' reports, and finishes spills: when a
 device->CPU store is published, its blocks are also queued for the tier (those the tier
 has room for). The CPU block stays referenced until every rank wrote it, so it cannot be
 reused mid-write. Write-through was chosen over write-on-evict because vLLM's BlockPool
 evicts inside ``get_new_blocks`` without a hook: by the time a block is known to be
 evicted its bytes are already being overwritten. Promotions are
-:class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade`'s.
+:class:`~kvoffload_hal.scheduler.secondary.promotions.PromotingTier`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
-from kvoffload_hal.scheduler.cascade.base import NullCascade, TierNames
-from kvoffload_hal.scheduler.cascade.index import TierIndex
-from kvoffload_hal.scheduler.cascade.rebuild import IndexRebuild
 from kvoffload_hal.scheduler.jobs import JobBook, RankTally
+from kvoffload_hal.scheduler.secondary.base import SchedulerTier, TierNames
+from kvoffload_hal.scheduler.secondary.index import TierIndex
+from kvoffload_hal.scheduler.secondary.rebuild import IndexRebuild
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class TierStep:
     jobs: list[Any]
 
 
-class SpillCascade(NullCascade):
+class SpillingTier(SchedulerTier):
     """The tier's jobs and spills; promotions are the subclass's (``_finish_promotion``)."""
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.scheduler.cascade.index import TierIndex
+from kvoffload_hal.scheduler.secondary.index import TierIndex
 from kvoffload_hal.tiers.spec import BlockKey
 
 logger = init_logger(__name__)

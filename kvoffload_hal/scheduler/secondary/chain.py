@@ -1,7 +1,7 @@
 """The chain of secondary tiers behind the CPU tier, nearest first: what the scheduler calls.
 
 Runs in the scheduler process. Each tier of the chain has its own index, jobs and (for
-a tier shared across instances) breaker, a :class:`~.tier_cascade.TierCascade`; the
+a tier shared across instances) breaker, a :class:`~.promotions.PromotingTier`; the
 chain shares one :class:`~.reads.TierReads` (the one owner map of keys being read, and
 the one deadline) and one room broker among them. docs/design.md ("A chain of tiers")
 states the rule:
@@ -31,16 +31,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvoffload_hal.metadata import JobReport, TierJobs
-    from kvoffload_hal.scheduler.cascade.reads import TierReads
-    from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import Hit
+    from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
+    from kvoffload_hal.scheduler.secondary.reads import TierReads
     from kvoffload_hal.tiers.spec import BlockKey
 
 
 class TierChain(RequestPart):
     """The tiers behind the CPU tier, nearest first (see the module docstring)."""
 
-    def __init__(self, tiers: Sequence[TierCascade], reads: TierReads) -> None:
+    def __init__(self, tiers: Sequence[PromotingTier], reads: TierReads) -> None:
         self.tiers = list(tiers)
         self.reads = reads
         self.room = reads.room
@@ -53,7 +53,7 @@ class TierChain(RequestPart):
         return bool(self.tiers)
 
     @property
-    def nearest(self) -> TierCascade:
+    def nearest(self) -> PromotingTier:
         return self.tiers[0]
 
     def bind(self, gpu_pool: BlockPool) -> None:

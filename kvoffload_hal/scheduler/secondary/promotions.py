@@ -1,9 +1,9 @@
 """Scheduler side of a secondary tier: promotions at a lookup.
 
 Spills (write-through) and the jobs' transport are
-:class:`~kvoffload_hal.scheduler.cascade.spill.SpillCascade`'s, and every read of the
-tier's blocks is a :class:`~kvoffload_hal.scheduler.cascade.reads.TierRead`;
-:class:`TierCascade` adds what a lookup does with them:
+:class:`~kvoffload_hal.scheduler.secondary.spill.SpillingTier`'s, and every read of the
+tier's blocks is a :class:`~kvoffload_hal.scheduler.secondary.reads.TierRead`;
+:class:`PromotingTier` adds what a lookup does with them:
 
 * **Promotion.** When a lookup finds the CPU hit continued by blocks the tier
   holds, a read of them (as many as the room broker grants promotions) is started for
@@ -11,12 +11,12 @@ tier's blocks is a :class:`~kvoffload_hal.scheduler.cascade.reads.TierRead`;
   wait. Once every rank read them, they are published in the CPU prefix cache and
   kept referenced for that request; its next lookup finds a longer CPU hit and loads
   it to the device as usual. A model with several KV cache groups promotes every
-  group's entries of the run (:mod:`~kvoffload_hal.scheduler.cascade.groups`). When no
+  group's entries of the run (:mod:`~kvoffload_hal.scheduler.secondary.groups`). When no
   CPU block is free because copies in flight hold them (spills, the CPU tier's loads
   and stores), the request waits for those copies instead of recomputing: its answer
   would otherwise depend on whether a disk write had been collected yet.
 * **Integrity.** A key that failed to read (missing, torn, corrupted) leaves the index
-  (:meth:`~kvoffload_hal.scheduler.cascade.reads.TierReads.finish`); blocks after it in
+  (:meth:`~kvoffload_hal.scheduler.secondary.reads.TierReads.finish`); blocks after it in
   the request are not published, and the request stops promoting (it recomputes instead).
 """
 
@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvoffload_hal.scheduler.cascade.base import NullCascade, TierNames
-from kvoffload_hal.scheduler.cascade.groups import GroupKeys
-from kvoffload_hal.scheduler.cascade.index import TierIndex
-from kvoffload_hal.scheduler.cascade.reads import Entry, TierRead, TierReads, starved
-from kvoffload_hal.scheduler.cascade.spill import JobKind, SpillCascade, TierJob, TierStep
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
+from kvoffload_hal.scheduler.secondary.base import SchedulerTier, TierNames
+from kvoffload_hal.scheduler.secondary.groups import GroupKeys
+from kvoffload_hal.scheduler.secondary.index import TierIndex
+from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead, TierReads, starved
+from kvoffload_hal.scheduler.secondary.spill import JobKind, SpillingTier, TierJob, TierStep
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
 
-__all__ = ["NullCascade", "TierCascade", "TierStep"]
+__all__ = ["SchedulerTier", "PromotingTier", "TierStep"]
 
 
 def _no_copies() -> bool:
@@ -51,7 +51,7 @@ def _blocks(hit: Hit) -> list[KVCacheBlock]:
     return [b for group in hit for b in group if not b.is_null]
 
 
-class TierCascade(SpillCascade):
+class PromotingTier(SpillingTier):
     stages = True
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
@@ -83,7 +83,7 @@ class TierCascade(SpillCascade):
         Blocks promoted for this request were pinned until now; the CPU lookup
         found the ones still wanted. The hit stays pinned while room is made, so
         a promotion never evicts the blocks it extends (a run longer than the room
-        is staged instead, scheduler/cascade/staged.py, where that can be done).
+        is staged instead, scheduler/secondary/staged.py, where that can be done).
         """
         self.cpu.pin_hit(hit)
         try:

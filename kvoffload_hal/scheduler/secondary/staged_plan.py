@@ -18,10 +18,10 @@ if TYPE_CHECKING:
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvoffload_hal.scheduler.cascade.chain import TierChain
-    from kvoffload_hal.scheduler.cascade.reads import TierRead
-    from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
+    from kvoffload_hal.scheduler.secondary.chain import TierChain
+    from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
+    from kvoffload_hal.scheduler.secondary.reads import TierRead
 
 
 Slot = tuple[int, int]  # (position, KV cache group): one device block to fill
@@ -41,7 +41,7 @@ class Staged:
     counting blocks from its first computed token on; lists go slot by slot."""
 
     req_id: str
-    source: TierCascade  # the tier its blocks come from
+    source: PromotingTier  # the tier its blocks come from
     cpu: list[tuple[Slot, KVCacheBlock]]  # slots the CPU tier holds, pinned
     tier: list[tuple[Slot, BlockKey, Any]]  # slots the tier brings: (slot, key, hash)
     num_tokens: int  # offered
@@ -126,7 +126,7 @@ def plan_chain_hit(tiers: TierChain, cpu: CpuTier, req_id: str, hit: Hit,
     return NotStaged.NOTHING
 
 
-def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
+def plan_hit(tier: PromotingTier, cpu: CpuTier, req_id: str, hit: Hit,
              block_hashes: Sequence[Any], first: int, run: Sequence[Any],
              max_tokens: int) -> Staged | NotStaged:
     """The hit over the CPU tier and the tier together from block ``first`` on, when
@@ -135,11 +135,11 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
     ``run``: the positions after the CPU hit ``hit``. A plain promotion would bring
     every group's block at each position of the run (``GroupKeys.to_read``); a staged hit
     brings only the blocks vLLM's lookup takes (``CpuTier.find_hit_with``)."""
-    if cascade.held_for(req_id, promoting_only=True):
-        return NotStaged.FITS  # its promotion (a prefetch) is in flight: the cascade waits
-    groups, index = cascade.groups, cascade.index
+    if tier.held_for(req_id, promoting_only=True):
+        return NotStaged.FITS  # its promotion (a prefetch) is in flight: the tier waits
+    groups, index = tier.groups, tier.index
     run = run[:groups.run(run, index.is_ready, cpu.holds)]
-    if cascade.reads.owners and any(cascade.reads.owned_by_another(key, req_id)
+    if tier.reads.owners and any(tier.reads.owned_by_another(key, req_id)
                                     for key in groups.keys(run)):
         return NotStaged.WAIT
     wanted = groups.to_read(run, index.is_ready, cpu.holds, len(run) * len(groups.groups))
@@ -148,7 +148,7 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
     # The room a promotion has once the CPU blocks of the hit and run are pinned.
     held = {b.block_id: b for b in [*(b for g in hit for b in g if not b.is_null),
                                     *cpu.cached(h for bh in run for _, h in groups.at(bh))]}
-    room = cascade.room.grant(RoomKind.STAGED)
+    room = tier.room.grant(RoomKind.STAGED)
     if len(wanted) <= room - sum(1 for b in held.values() if b.ref_cnt == 0):
         return NotStaged.FITS
 
@@ -157,7 +157,7 @@ def plan_hit(cascade: TierCascade, cpu: CpuTier, req_id: str, hit: Hit,
         return TierBlock(key, block_hash) if index.is_ready(key) else None
 
     blocks, num_tokens = cpu.find_hit_with(block_hashes, first, max_tokens, in_tier)
-    staged = Staged(req_id, cascade, [], [], num_tokens, 0)
+    staged = Staged(req_id, tier, [], [], num_tokens, 0)
     for g, group_blocks in enumerate(blocks):
         for pos, b in enumerate(group_blocks):
             if isinstance(b, TierBlock):

@@ -1,22 +1,22 @@
-"""TierCascade on its public methods, against a real CpuTier: spills, promotions, reports."""
+"""PromotingTier on its public methods, against a real CpuTier: spills, promotions, reports."""
 
 import pytest
 
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.scheduler.cascade.base import TierNames
-from kvoffload_hal.scheduler.cascade.index import TierIndex
-from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
+from kvoffload_hal.scheduler.secondary.base import TierNames
+from kvoffload_hal.scheduler.secondary.index import TierIndex
+from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
 
 BS = 16
 DISK = TierNames("disk", "disk tier")
 
 
 @pytest.fixture
-def cascade(make_engine):
+def rig(make_engine):
     engine = make_engine(cpu_blocks=8)
     cpu = engine.offload.cpu
-    return engine, cpu, TierCascade(TierIndex(16), cpu, world_size=2, stats=StatsLedger(),
+    return engine, cpu, PromotingTier(TierIndex(16), cpu, world_size=2, stats=StatsLedger(),
                                      names=DISK)
 
 
@@ -31,8 +31,8 @@ def _published(engine, cpu, n, seed=0):
     return req, blocks, hashes
 
 
-def test_spill_is_committed_only_after_every_rank_reported(cascade):
-    engine, cpu, tiers = cascade
+def test_spill_is_committed_only_after_every_rank_reported(rig):
+    engine, cpu, tiers = rig
     req, blocks, hashes = _published(engine, cpu, 3)
     tiers.on_published(blocks, hashes)
     cpu.unpin(blocks)
@@ -58,8 +58,8 @@ def _spilled_then_dropped(engine, cpu, tiers, n):
     return req, hashes
 
 
-def test_promotion_publishes_up_to_the_first_failed_key(cascade):
-    engine, cpu, tiers = cascade
+def test_promotion_publishes_up_to_the_first_failed_key(rig):
+    engine, cpu, tiers = rig
     req, hashes = _spilled_then_dropped(engine, cpu, tiers, 4)
     assert tiers.lookup(req, (), 0, 4) is True  # promotion started: ask again later
     assert tiers.lookup(req, (), 0, 4) is True  # still in flight
@@ -75,8 +75,8 @@ def test_promotion_publishes_up_to_the_first_failed_key(cascade):
     assert cpu.num_pinned_blocks() == 0
 
 
-def test_reset_abandons_promotions_in_flight(cascade):
-    engine, cpu, tiers = cascade
+def test_reset_abandons_promotions_in_flight(rig):
+    engine, cpu, tiers = rig
     req, _ = _spilled_then_dropped(engine, cpu, tiers, 3)
     assert tiers.lookup(req, (), 0, 3)
     promote = tiers.take_jobs().promote
@@ -93,10 +93,10 @@ def test_reset_abandons_promotions_in_flight(cascade):
     assert cpu.num_pinned_blocks() == 0 and not tiers.has_pending()
 
 
-def test_a_promotion_waits_for_room_that_copies_in_flight_hold(cascade):
+def test_a_promotion_waits_for_room_that_copies_in_flight_hold(rig):
     """No free CPU block: the request waits while copies in flight hold blocks they
     release when they end, and recomputes when nothing would ever free one."""
-    engine, cpu, tiers = cascade
+    engine, cpu, tiers = rig
     req, hashes = _spilled_then_dropped(engine, cpu, tiers, 3)
     copying = [False]
     tiers.bind_copies(lambda: copying[0])
@@ -111,10 +111,10 @@ def test_a_promotion_waits_for_room_that_copies_in_flight_hold(cascade):
     tiers.request_finished(req.request_id)
 
 
-def test_a_spill_of_the_requests_own_hit_frees_no_room_for_it(cascade):
+def test_a_spill_of_the_requests_own_hit_frees_no_room_for_it(rig):
     """Its own blocks stay taken when their spill ends; another block's spill frees one,
     and the request keeps its hit while it waits for it."""
-    engine, cpu, tiers = cascade
+    engine, cpu, tiers = rig
     req, hashes = _spilled_then_dropped(engine, cpu, tiers, 4)
     # Its first 3 blocks are back in the CPU tier, being written to disk again.
     hit = cpu.allocate(3)
@@ -140,11 +140,11 @@ def test_a_spill_of_the_requests_own_hit_frees_no_room_for_it(cascade):
 
 def test_a_request_waits_for_room_at_most_a_bounded_time(make_engine):
     """Copies that never end (a stuck disk) cannot keep a request waiting forever."""
-    from kvoffload_hal.scheduler.cascade.reads import MAX_ROOM_WAIT_S
+    from kvoffload_hal.scheduler.secondary.reads import MAX_ROOM_WAIT_S
 
     engine = make_engine(cpu_blocks=8)
     cpu, now = engine.offload.cpu, [0.0]
-    tiers = TierCascade(TierIndex(16), cpu, world_size=2, stats=StatsLedger(),
+    tiers = PromotingTier(TierIndex(16), cpu, world_size=2, stats=StatsLedger(),
                         clock=lambda: now[0], names=DISK)
     req, _ = _spilled_then_dropped(engine, cpu, tiers, 3)
     tiers.bind_copies(lambda: True)  # a copy that never ends

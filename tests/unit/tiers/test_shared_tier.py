@@ -1,11 +1,11 @@
-"""SharedTierCascade against a real CpuTier: existence queries, bounded waits, what is learned."""
+"""SharedTier against a real CpuTier: existence queries, bounded waits, what is learned."""
 
 import itertools
 
 import pytest
 
 from kvoffload_hal.metadata import JobReport
-from kvoffload_hal.scheduler.cascade.shared import SharedTierIndex
+from kvoffload_hal.scheduler.secondary.shared import SharedTierIndex
 from support.shared_tier import BS, TIMEOUT_S, shared_rig, tier_keys, waiting_request
 
 

@@ -3,11 +3,11 @@
 Runs in the scheduler process. A tier describes what the scheduler keeps for it
 (:class:`~kvoffload_hal.tiers.spec.SchedulerHalf`); this is the one place that
 turns the description into machinery: a
-:class:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade` over a
-:class:`~kvoffload_hal.scheduler.cascade.index.TierIndex` for a tier only this
-instance writes, a :class:`~kvoffload_hal.scheduler.cascade.shared.SharedTierCascade`
+:class:`~kvoffload_hal.scheduler.secondary.promotions.PromotingTier` over a
+:class:`~kvoffload_hal.scheduler.secondary.index.TierIndex` for a tier only this
+instance writes, a :class:`~kvoffload_hal.scheduler.secondary.shared.SharedTier`
 (existence queries, bounded waits, the circuit breaker) for one
-``shared_across_instances``, in a :class:`~kvoffload_hal.scheduler.cascade.chain.TierChain`
+``shared_across_instances``, in a :class:`~kvoffload_hal.scheduler.secondary.chain.TierChain`
 in the configured order (empty without a tier that runs).
 """
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvoffload_hal.config import device_bytes_per_block
-from kvoffload_hal.scheduler.cascade.base import TierNames
-from kvoffload_hal.scheduler.cascade.chain import TierChain
-from kvoffload_hal.scheduler.cascade.index import TierIndex
-from kvoffload_hal.scheduler.cascade.reads import TierReads
-from kvoffload_hal.scheduler.cascade.shared import SharedTierCascade, SharedTierIndex
-from kvoffload_hal.scheduler.cascade.tier_cascade import TierCascade
+from kvoffload_hal.scheduler.secondary.base import TierNames
+from kvoffload_hal.scheduler.secondary.chain import TierChain
+from kvoffload_hal.scheduler.secondary.index import TierIndex
+from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
+from kvoffload_hal.scheduler.secondary.reads import TierReads
+from kvoffload_hal.scheduler.secondary.shared import SharedTier, SharedTierIndex
 from kvoffload_hal.tiers.registry import scheduler_half
 from kvoffload_hal.tiers.spec import SchedulerTierContext
 
@@ -53,11 +53,11 @@ def build_chain(specs: Sequence[TierSpec], running: Sequence[str],
 
 
 def _build_tier(spec: TierSpec, half: SchedulerHalf, cpu: CpuTier, world_size: int,
-                stats: StatsLedger, reads: TierReads) -> TierCascade:
+                stats: StatsLedger, reads: TierReads) -> PromotingTier:
     names = TierNames(spec.name, spec.display_name())
     if spec.shared_across_instances:
         index = SharedTierIndex(half.capacity_blocks, deletes_evicted=half.deletes_evicted)
-        return SharedTierCascade(index, cpu, world_size, stats, half.wait_s, names=names,
+        return SharedTier(index, cpu, world_size, stats, half.wait_s, names=names,
                                  rebuild=half.rebuild, reads=reads)
-    return TierCascade(TierIndex(half.capacity_blocks), cpu, world_size, stats,
+    return PromotingTier(TierIndex(half.capacity_blocks), cpu, world_size, stats,
                        rebuild=half.rebuild, names=names, reads=reads)

@@ -4,7 +4,7 @@ Runs in the scheduler process. A :class:`TierRead` is a list of entries (tier ke
 hash) read for one *reader* (a request) into fresh CPU blocks, part by part, each part as
 large as the room broker grants the read's kind (:mod:`kvoffload_hal.scheduler.room`),
 and handed to the read's *sink* once every rank read it. The sink says what the blocks
-are for: a promotion keeps them for the request's next lookup (:mod:`.tier_cascade`), a
+are for: a promotion keeps them for the request's next lookup (:mod:`.promotions`), a
 staged hit loads them in a round (:mod:`.staged`), a check lets them go (:mod:`.checks`).
 docs/design.md, "One read, one room", states the rule; in short:
 
@@ -26,17 +26,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload_hal.logger import init_logger, log_once
-from kvoffload_hal.scheduler.cascade.spill import JobKind, TierJob
 from kvoffload_hal.scheduler.room import RoomKind
+from kvoffload_hal.scheduler.secondary.spill import JobKind, TierJob
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.base import TierNames
-    from kvoffload_hal.scheduler.cascade.index import TierIndex
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
     from kvoffload_hal.scheduler.room import CpuRoom
+    from kvoffload_hal.scheduler.secondary.base import TierNames
+    from kvoffload_hal.scheduler.secondary.index import TierIndex
     from kvoffload_hal.tiers.spec import BlockKey
 
 # The longest a read, or a request waiting to start one, goes without CPU room before
@@ -51,7 +51,7 @@ Sink = Callable[["TierRead", list[Entry], list["KVCacheBlock"], int], None]
 
 
 class ReadSource(Protocol):
-    """The tier a read reads from (a :class:`~.tier_cascade.TierCascade`)."""
+    """The tier a read reads from (a :class:`~.promotions.PromotingTier`)."""
 
     index: TierIndex
     names: TierNames

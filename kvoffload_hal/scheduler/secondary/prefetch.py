@@ -9,7 +9,7 @@ waits again for the promotion.
 Each step, :class:`Prefetcher` takes the oldest requests added and not yet looked
 up (in arrival order, status ``WAITING``, nothing computed), up to
 ``prefetch_requests`` of them, and for each one not seen before calls
-:meth:`~kvoffload_hal.scheduler.cascade.tier_cascade.TierCascade.lookup` as the
+:meth:`~kvoffload_hal.scheduler.secondary.promotions.PromotingTier.lookup` as the
 request's own lookup would from its first block: the promotion is queued under
 the request's id, and its blocks stay pinned for the request until vLLM looks it
 up, which then finds them in the CPU tier (or waits for the promotion in flight
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.config import OffloadConfig
     from kvoffload_hal.metrics import StatsLedger
-    from kvoffload_hal.scheduler.cascade.chain import TierChain
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.scheduler.secondary.chain import TierChain
 
 
 class NullPrefetcher(RequestPart):
@@ -82,10 +82,10 @@ class NullPrefetcher(RequestPart):
 class Prefetcher(NullPrefetcher):
     active = True
 
-    def __init__(self, cpu: CpuTier, cascade: TierChain, block_size: int,
+    def __init__(self, cpu: CpuTier, tiers: TierChain, block_size: int,
                  stats: StatsLedger, max_requests: int, max_blocks: int) -> None:
         self.cpu = cpu
-        self.cascade = cascade
+        self.tiers = tiers
         self.block_size = block_size
         self.stats = stats
         self.max_requests = max_requests
@@ -116,7 +116,7 @@ class Prefetcher(NullPrefetcher):
         self._seen.clear()
 
     def num_held_blocks(self) -> int:
-        return sum(self.cascade.held_for(req_id) + len(hit)
+        return sum(self.tiers.held_for(req_id) + len(hit)
                    for req_id, hit in self._seen.items())
 
     def step(self) -> None:
@@ -151,13 +151,13 @@ class Prefetcher(NullPrefetcher):
         if room < self._min_blocks:
             return 0  # looked at again once prefetched requests release blocks
         free_before = self.cpu.num_free_blocks()
-        queued = self.cascade.lookup(request, hit, hit_tokens // self.block_size,
+        queued = self.tiers.lookup(request, hit, hit_tokens // self.block_size,
                                      max_hit_tokens // self.block_size, RoomKind.PREFETCH,
                                      max_blocks=room)
         # A promotion takes fresh CPU blocks; a lookup changes the free count otherwise
         # only when none were free (it then waits for room, holding nothing new).
         promoted = free_before - self.cpu.num_free_blocks()
-        held = self.cascade.held_for(req_id)
+        held = self.tiers.held_for(req_id)
         if queued and not held:
             # A shared tier's existence query, or another request's promotion of these
             # blocks, is in flight: looked at again next step, when it has answered.
