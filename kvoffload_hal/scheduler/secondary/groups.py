@@ -9,21 +9,17 @@ read like any other. What a prefix hit needs differs by group:
 * a **sparse** group (sliding window, chunked local attention, Mamba state)
   needs only some of them: the last window, or the state at the hit's end.
 
-A promotion therefore runs over block positions: a position counts while every
-dense group's block there is readable in the tier or already in the CPU tier,
-and at each counted position every group's entry the tier holds (and the CPU
-tier does not) is promoted. Which hit that makes is then vLLM's decision: the
-CPU tier's coordinator looks the request up again with each group's own rules,
-so a Mamba state is used only at the exact position its hash names, and a
-missing sparse block only shortens the hit. A hit longer than the CPU tier's
-room is staged instead (:mod:`.staged`), and brings only the entries vLLM's
-lookup takes over the CPU tier and the tier together. Every group's blocks have the
-scheduler's block size (the registry keeps the tier off otherwise).
+Which entries a hit takes is vLLM's decision, made once for promotions and staged
+hits alike (:mod:`.plan`): the CPU tier's coordinator looks the request up with each
+group's own rules as if the tier's entries were cached there, so a Mamba state is
+read only at the exact position its hash names, and a missing sparse block only
+shortens the hit. Every group's blocks have the scheduler's block size (the registry
+keeps the tier off otherwise).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
@@ -58,30 +54,3 @@ class GroupKeys:
     def keys(self, block_hashes: Sequence[Any]) -> list[BlockKey]:
         """Every group's key at each of these positions, position by position."""
         return [key for bh in block_hashes for key, _ in self.at(bh)]
-
-    @property
-    def all_dense(self) -> bool:
-        """Every group kept needs every block before a hit's end (a prefix of a hit is
-        a hit)."""
-        return self.dense == self.groups
-
-    def run(self, block_hashes: Sequence[Any], readable: Callable[[BlockKey], bool],
-            in_cpu: Callable[[Any], bool]) -> int:
-        """How many of these positions count, from the first on (see the module
-        docstring)."""
-        for i, bh in enumerate(block_hashes):
-            if not all(readable(k) or in_cpu(h) for k, h in self.at(bh, self.dense)):
-                return i
-        return len(block_hashes)
-
-    def to_read(self, block_hashes: Sequence[Any], readable: Callable[[BlockKey], bool],
-             in_cpu: Callable[[Any], bool], budget: int) -> list[Entry]:
-        """The entries to promote for positions ``block_hashes`` (from the CPU hit's
-        end on), at most ``budget``; see the module docstring."""
-        chosen: list[Entry] = []
-        for bh in block_hashes[:self.run(block_hashes, readable, in_cpu)]:
-            wanted = [(k, h) for k, h in self.at(bh) if not in_cpu(h) and readable(k)]
-            if len(chosen) + len(wanted) > budget:
-                break  # what fits is promoted, the rest recomputed
-            chosen += wanted
-        return chosen

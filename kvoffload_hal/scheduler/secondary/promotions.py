@@ -30,6 +30,7 @@ from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
 from kvoffload_hal.scheduler.secondary.base import SchedulerTier, TierNames
 from kvoffload_hal.scheduler.secondary.groups import GroupKeys
 from kvoffload_hal.scheduler.secondary.index import TierIndex
+from kvoffload_hal.scheduler.secondary.plan import SlotPlan, SlotPlanner
 from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead, TierReads, starved
 from kvoffload_hal.scheduler.secondary.spill import JobKind, SpillingTier, TierJob, TierStep
 
@@ -39,12 +40,18 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
+    from kvoffload_hal.tiers.spec import BlockKey
 
 __all__ = ["SchedulerTier", "PromotingTier", "TierStep"]
 
 
 def _no_copies() -> bool:
     return False
+
+
+def _hit_length(hit: Hit) -> int:
+    """Blocks of a CPU hit (every group's list has one entry a position)."""
+    return max((len(group) for group in hit), default=0)
 
 
 def _blocks(hit: Hit) -> list[KVCacheBlock]:
@@ -71,6 +78,7 @@ class PromotingTier(SpillingTier):
         self._no_promotion: set[str] = set()
         self._copies_in_flight: Callable[[], bool] = _no_copies
         self.groups = GroupKeys.of(cpu)
+        self.planner = SlotPlanner(cpu, self.groups, index.is_ready, self._coming)
 
     def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
         self._copies_in_flight = copies_in_flight
@@ -111,20 +119,25 @@ class PromotingTier(SpillingTier):
             return True
         if req_id in self._no_promotion:
             return False
-        positions = request.block_hashes[first_block:end_block]
+        hashes, hit_length = request.block_hashes, _hit_length(hit)
+        positions = hashes[first_block:end_block]
+        plan = self.planner.plan(hashes, first_block - hit_length,
+                                 (end_block - first_block + hit_length)
+                                 * self.cpu.hash_block_size)
         if self.room.held_back(kind):  # a kind before this one claims the room
-            return bool(self.groups.to_read(positions, self.index.is_ready, self._in_cpu_soon,
-                                         len(self.groups.groups)))
-        # Blocks of the run already in the CPU tier stay there while room is made.
-        held = self.cpu.cached(h for bh in positions for _, h in self.groups.at(bh))
+            return bool(self.planner.entries(plan, hashes, end_block))
+        # Blocks of the run after the hit already in the CPU tier stay there while room
+        # is made (the hit is pinned by the caller).
+        held = [b for (pos, _), b in plan.cpu_slots() if pos >= hit_length]
         self.cpu.pin(held)
         try:
             # A block another request's read brings counts as on its way.
-            chosen = self.groups.to_read(positions, self.index.is_ready, self._in_cpu_soon,
-                                      self.room.grant(kind, max_blocks))
+            chosen = self.planner.promotion(plan, hashes, end_block,
+                                            self.room.grant(kind, max_blocks))
             if not chosen:
                 return (self._waits_for_others(req_id, positions)
-                        or self._waits_for_room(req_id, positions, [*held, *_blocks(hit)]))
+                        or self._waits_for_room(req_id, plan, end_block,
+                                                [*held, *_blocks(hit)], hashes))
             self._promoting[req_id] = read = self.reads.start(
                 self, req_id, chosen, self._promoted, kind, "a promotion")
             self.reads.advance(read, len(chosen))
@@ -132,9 +145,9 @@ class PromotingTier(SpillingTier):
             self.cpu.unpin(held)
         return True
 
-    def _in_cpu_soon(self, block_hash: Any) -> bool:
-        return self.cpu.holds(block_hash) or (
-            bool(self.reads.owners) and block_hash.hex() in self.reads.owners)
+    def _coming(self, key: BlockKey) -> bool:
+        """Whether another request's read brings ``key`` into the CPU tier."""
+        return bool(self.reads.owners) and key in self.reads.owners
 
     def _waits_for_others(self, req_id: str, positions: list[Any]) -> bool:
         """Whether another request's read brings blocks of ``positions``: this request
@@ -142,14 +155,13 @@ class PromotingTier(SpillingTier):
         return bool(self.reads.owners) and any(
             self.reads.owned_by_another(k, req_id) for k in self.groups.keys(positions))
 
-    def _waits_for_room(self, req_id: str, positions: list[Any],
-                        own: list[KVCacheBlock]) -> bool:
+    def _waits_for_room(self, req_id: str, plan: SlotPlan, end_block: int,
+                        own: list[KVCacheBlock], hashes: list[Any]) -> bool:
         """Whether only CPU room is missing, held by copies in flight: the request asks
         again when they end, its ``own`` blocks (hit and run) kept until then. As a miss
         it would recompute its whole prompt whenever the last spills had not been
         collected yet (an offline engine stops stepping after its last request)."""
-        if not self.groups.to_read(positions, self.index.is_ready, self._in_cpu_soon,
-                                len(self.groups.groups)):
+        if not self.planner.entries(plan, hashes, end_block):
             return False  # nothing to promote, whatever the room
         # Loads and stores hold fresh blocks or other requests' hits; a spill of the
         # request's own blocks frees nothing for it.

@@ -6,8 +6,8 @@ would lose its tail that way. Such a hit is *staged* instead:
 
 1. The lookup answers the whole hit as an asynchronous load: vLLM allocates device
    blocks for all of it, and the request waits. Which blocks the hit needs is vLLM's
-   own lookup run over the CPU tier and the tier together
-   (:meth:`~kvoffload_hal.scheduler.cpu_tier.CpuTier.find_hit_with`): every block of
+   own lookup run over the CPU tier and the tier together (the one slot planner,
+   :mod:`.plan`, that promotions use too): every block of
    a full-attention group, the last window of a sliding-window group, the state at the
    hit's end of a Mamba group. Each is a *slot* (position, group); with one group, a
    slot is a position.

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.metadata import LoadSpec
 from kvoffload_hal.scheduler.room import RoomKind
+from kvoffload_hal.scheduler.secondary.plan import Slot
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:
@@ -22,17 +23,6 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.secondary.chain import TierChain
     from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
     from kvoffload_hal.scheduler.secondary.reads import TierRead
-
-
-Slot = tuple[int, int]  # (position, KV cache group): one device block to fill
-
-
-class TierBlock(NamedTuple):
-    """A block the tier holds, as the union lookup sees it (never the null block)."""
-
-    key: BlockKey
-    block_hash: Any
-    is_null: bool = False
 
 
 @dataclass
@@ -132,42 +122,24 @@ def plan_hit(tier: PromotingTier, cpu: CpuTier, req_id: str, hit: Hit,
     """The hit over the CPU tier and the tier together from block ``first`` on, when
     the tier's part of it is more than a promotion has room for; else why not.
 
-    ``run``: the positions after the CPU hit ``hit``. A plain promotion would bring
-    every group's block at each position of the run (``GroupKeys.to_read``); a staged hit
-    brings only the blocks vLLM's lookup takes (``CpuTier.find_hit_with``)."""
+    ``run``: the positions after the CPU hit ``hit``. The slots are the one planner's
+    (:mod:`.plan`): a promotion would read the same blocks, one position more at most."""
     if tier.held_for(req_id, promoting_only=True):
         return NotStaged.FITS  # its promotion (a prefetch) is in flight: the tier waits
-    groups, index = tier.groups, tier.index
-    run = run[:groups.run(run, index.is_ready, cpu.holds)]
     if tier.reads.owners and any(tier.reads.owned_by_another(key, req_id)
-                                    for key in groups.keys(run)):
+                                 for key in tier.groups.keys(run)):
         return NotStaged.WAIT
-    wanted = groups.to_read(run, index.is_ready, cpu.holds, len(run) * len(groups.groups))
-    if not wanted:
+    plan = tier.planner.plan(block_hashes, first, max_tokens, with_coming=False)
+    staged = Staged(req_id, tier, plan.cpu_slots(), plan.tier_slots(), plan.num_tokens, 0)
+    if not staged.tier:
         return NotStaged.NOTHING
-    # The room a promotion has once the CPU blocks of the hit and run are pinned.
+    # The room a promotion has once the CPU blocks of the hit and the plan are pinned.
     held = {b.block_id: b for b in [*(b for g in hit for b in g if not b.is_null),
-                                    *cpu.cached(h for bh in run for _, h in groups.at(bh))]}
+                                    *(b for _, b in staged.cpu)]}
     room = tier.room.grant(RoomKind.STAGED)
+    wanted = tier.planner.entries(plan, block_hashes, first + max_tokens // cpu.hash_block_size)
     if len(wanted) <= room - sum(1 for b in held.values() if b.ref_cnt == 0):
         return NotStaged.FITS
-
-    def in_tier(block_hash: Any) -> TierBlock | None:
-        key = block_hash.hex()
-        return TierBlock(key, block_hash) if index.is_ready(key) else None
-
-    blocks, num_tokens = cpu.find_hit_with(block_hashes, first, max_tokens, in_tier)
-    staged = Staged(req_id, tier, [], [], num_tokens, 0)
-    for g, group_blocks in enumerate(blocks):
-        for pos, b in enumerate(group_blocks):
-            if isinstance(b, TierBlock):
-                staged.tier.append(((pos, g), b.key, b.block_hash))
-            elif not b.is_null:
-                staged.cpu.append(((pos, g), b))
-    if not staged.tier:
-        return NotStaged.FITS
-    staged.cpu.sort(key=lambda x: x[0])
-    staged.tier.sort(key=lambda x: x[0])
     return staged
 
 

@@ -1,51 +1,117 @@
-"""Which (group, block) entries a promotion brings back for a model with several groups."""
+"""Which (group, block) entries a promotion reads (scheduler/secondary/plan.py): vLLM's
+own lookup over the CPU tier and the tier decides, for a model with a full-attention
+group and a sliding-window group (a 32-token window: the last two blocks before a
+hit's end), on the CPU tier's real coordinator."""
 
+import pytest
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal.scheduler.secondary.groups import GroupKeys
+from kvoffload_hal.scheduler.secondary.plan import SlotPlanner
 
-POSITIONS = [bytes([i]) * 32 for i in range(6)]  # block hashes of one request
-
-
-def _key(pos, group):
-    return make_block_hash_with_group_id(POSITIONS[pos], group).hex()
-
-
-def _plan(groups, readable, in_cpu=(), budget=100):
-    return [k for k, _ in groups.to_read(POSITIONS, readable.__contains__,
-                                      lambda h: h.hex() in in_cpu, budget)]
+BS = 16
+FULL, SLIDING = 0, 1
+POSITIONS = 6
 
 
-def test_dense_blocks_make_the_run_and_sparse_ones_come_where_held():
-    # Group 0 attends to everything; group 1 keeps a state at some positions only.
-    groups = GroupKeys(groups=[0, 1], dense=[0])
-    readable = {_key(p, 0) for p in range(4)} | {_key(1, 1), _key(3, 1), _key(5, 1)}
-    # The run ends where the dense group's block is missing (position 4): the state
-    # at position 5 is not promoted, since no hit can reach it.
-    assert _plan(groups, readable) == [_key(0, 0), _key(1, 0), _key(1, 1), _key(2, 0),
-                                       _key(3, 0), _key(3, 1)]
+@pytest.fixture
+def rig(make_engine):
+    engine = make_engine(cpu_blocks=32, num_gpu_blocks=72, sliding_window=2 * BS)
+    req = engine.add("r", [(7 + i) % 89 + 1 for i in range(POSITIONS * BS + 1)])
+    engine.scheduler.waiting.remove(req)
+    return engine.offload.cpu, req.block_hashes
 
 
-def test_blocks_already_in_the_cpu_tier_count_for_the_run_and_are_not_read_again():
-    groups = GroupKeys(groups=[0, 1], dense=[0])
-    readable = {_key(p, 0) for p in (0, 2)} | {_key(2, 1)}
-    assert _plan(groups, readable, in_cpu={_key(1, 0)}) == [_key(0, 0), _key(2, 0), _key(2, 1)]
+def _hash(hashes, pos, group):
+    return make_block_hash_with_group_id(hashes[pos], group)
 
 
-def test_what_does_not_fit_is_left_whole_positions_at_a_time():
-    groups = GroupKeys(groups=[0, 1], dense=[0])
-    readable = {_key(p, g) for p in range(6) for g in (0, 1)}
-    assert _plan(groups, readable, budget=5) == [_key(0, 0), _key(0, 1), _key(1, 0), _key(1, 1)]
+def _keys(hashes, *slots):
+    return [_hash(hashes, pos, group).hex() for pos, group in slots]
 
 
-def test_one_group_is_the_leading_run_of_its_keys():
-    groups = GroupKeys(groups=[0], dense=[0])
-    readable = {_key(p, 0) for p in (0, 1, 2, 4)}
-    assert _plan(groups, readable) == [_key(0, 0), _key(1, 0), _key(2, 0)]
-    assert groups.keys(POSITIONS[:2]) == [_key(0, 0), _key(1, 0)]
+def _planner(cpu, readable, coming=()):
+    return SlotPlanner(cpu, GroupKeys.of(cpu), readable.__contains__, coming.__contains__)
 
 
-def test_without_a_dense_group_every_kept_group_makes_the_run():
-    groups = GroupKeys(groups=[0, 1], dense=[])
-    readable = {_key(0, 0), _key(0, 1), _key(1, 0)}
-    assert _plan(groups, readable) == [_key(0, 0), _key(0, 1)]
+def _promotion(cpu, hashes, readable, coming=(), budget=100, start=0, end=POSITIONS,
+               eagle_cpu=None):
+    planner = _planner(eagle_cpu or cpu, readable, coming)
+    plan = planner.plan(hashes, start, (end - start) * BS)
+    return [k for k, _ in planner.promotion(plan, hashes, end, budget)]
+
+
+def test_the_full_group_reads_the_run_and_the_window_only_its_last_blocks(rig):
+    cpu, hashes = rig
+    readable = set(_keys(hashes, *((p, g) for p in range(POSITIONS) for g in (FULL, SLIDING))))
+    assert _promotion(cpu, hashes, readable) == _keys(
+        hashes, (0, FULL), (1, FULL), (2, FULL), (3, FULL), (4, FULL), (4, SLIDING),
+        (5, FULL), (5, SLIDING))
+
+
+def test_a_missing_full_block_ends_the_run_and_the_window_moves_before_it(rig):
+    cpu, hashes = rig
+    readable = set(_keys(hashes, *((p, FULL) for p in (0, 1, 2, 4)),
+                         *((p, SLIDING) for p in range(POSITIONS))))
+    assert _promotion(cpu, hashes, readable) == _keys(
+        hashes, (0, FULL), (1, FULL), (1, SLIDING), (2, FULL), (2, SLIDING))
+
+
+def test_blocks_the_cpu_tier_holds_or_another_read_brings_are_not_read(rig):
+    cpu, hashes = rig
+    held = [_hash(hashes, 1, FULL), _hash(hashes, 5, SLIDING)]
+    blocks = cpu.allocate(len(held))
+    cpu.publish(blocks, held)
+    cpu.unpin(blocks)
+    readable = set(_keys(hashes, *((p, g) for p in range(POSITIONS) for g in (FULL, SLIDING))))
+    coming = set(_keys(hashes, (3, FULL)))
+    assert _promotion(cpu, hashes, readable - coming, coming) == _keys(
+        hashes, (0, FULL), (2, FULL), (4, FULL), (4, SLIDING), (5, FULL))
+
+
+def test_what_does_not_fit_is_planned_again_for_fewer_positions(rig):
+    cpu, hashes = rig
+    readable = set(_keys(hashes, *((p, g) for p in range(POSITIONS) for g in (FULL, SLIDING))))
+    # 3 positions need 3 full blocks and the window at positions 1 and 2: 5; 4 need 6.
+    assert _promotion(cpu, hashes, readable, budget=5) == _keys(
+        hashes, (0, FULL), (1, FULL), (1, SLIDING), (2, FULL), (2, SLIDING))
+    # One position needs both groups' blocks there.
+    assert _promotion(cpu, hashes, readable, budget=2) == _keys(hashes, (0, FULL), (0, SLIDING))
+    assert _promotion(cpu, hashes, readable, budget=1) == []
+
+
+def test_a_run_starts_after_the_blocks_the_device_computed(rig):
+    cpu, hashes = rig
+    readable = set(_keys(hashes, *((p, g) for p in range(POSITIONS) for g in (FULL, SLIDING))))
+    # The device holds the first 4 blocks: the lookup, and the window, start there.
+    assert _promotion(cpu, hashes, readable, start=4) == _keys(
+        hashes, (4, FULL), (4, SLIDING), (5, FULL), (5, SLIDING))
+
+
+def test_with_an_eagle_drafter_the_block_after_the_hit_is_read_too(
+        make_engine, tiny_model_dir, tiny_eagle_dir):
+    """vLLM's lookup drops an EAGLE hit's last block: the promotion reads it anyway,
+    or the lookup over the CPU tier alone would find one block less again."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+
+    engine = make_engine(cpu_blocks=8)
+    eagle_config = EngineArgs(
+        model=tiny_model_dir, block_size=BS, enable_prefix_caching=True, enforce_eager=True,
+        max_model_len=2048, speculative_config={
+            "method": "eagle", "model": tiny_eagle_dir, "num_speculative_tokens": 1},
+    ).create_engine_config()
+    cpu = CpuTier(eagle_config, engine.kv_cache_config, 8, BS, BS)
+    req = engine.add("req", [1 + i % 50 for i in range(3 * BS + 1)])
+    hashes = req.block_hashes
+    readable = set(_keys(hashes, (0, FULL), (1, FULL), (2, FULL)))
+    planner = _planner(cpu, readable)
+    plan = planner.plan(hashes, 0, 3 * BS)
+    assert plan.num_tokens == 2 * BS  # the union's hit, less EAGLE's block
+    read = planner.promotion(plan, hashes, 3, 100)
+    assert [k for k, _ in read] == _keys(hashes, (0, FULL), (1, FULL), (2, FULL))
+    blocks = cpu.allocate(3)  # once read, the CPU tier's own lookup finds the plan's hit
+    cpu.publish(blocks, [h for _, h in read])
+    cpu.unpin(blocks)
+    assert cpu.find_hit(hashes, 0, 3 * BS)[1] == plan.num_tokens
