@@ -85,18 +85,12 @@ def test_with_an_eagle_drafter_a_hit_drops_its_last_block(make_engine, tiny_mode
     """vLLM drops the last block of a device prefix-cache hit for drafters fed the
     target's hidden states (that block's draft KV was computed with the token after
     it); the CPU tier's hits, looked up by its own coordinator, follow the same rule."""
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from support.eagle_tier import eagle_cpu_tier
 
     engine = make_engine(cpu_blocks=8)
-    eagle_config = EngineArgs(
-        model=tiny_model_dir, block_size=BS, enable_prefix_caching=True, enforce_eager=True,
-        max_model_len=2048, speculative_config={
-            "method": "eagle", "model": tiny_eagle_dir, "num_speculative_tokens": 1},
-    ).create_engine_config()
-    cpu = CpuTier(eagle_config, engine.kv_cache_config, 8, BS, BS)
+    cpu = eagle_cpu_tier(engine, tiny_model_dir, tiny_eagle_dir)
     req = engine.add("req", [1 + i % 50 for i in range(3 * BS + 1)])
     blocks = cpu.allocate(3)
     cpu.publish(blocks, [make_block_hash_with_group_id(h, 0) for h in req.block_hashes[:3]])

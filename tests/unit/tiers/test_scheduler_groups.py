@@ -34,9 +34,8 @@ def _planner(cpu, readable, coming=()):
     return SlotPlanner(cpu, GroupKeys.of(cpu), readable.__contains__, coming.__contains__)
 
 
-def _promotion(cpu, hashes, readable, coming=(), budget=100, start=0, end=POSITIONS,
-               eagle_cpu=None):
-    planner = _planner(eagle_cpu or cpu, readable, coming)
+def _promotion(cpu, hashes, readable, coming=(), budget=100, start=0, end=POSITIONS):
+    planner = _planner(cpu, readable, coming)
     plan = planner.plan(hashes, start, (end - start) * BS)
     return [k for k, _ in planner.promotion(plan, hashes, end, budget)]
 
@@ -92,17 +91,10 @@ def test_with_an_eagle_drafter_the_block_after_the_hit_is_read_too(
         make_engine, tiny_model_dir, tiny_eagle_dir):
     """vLLM's lookup drops an EAGLE hit's last block: the promotion reads it anyway,
     or the lookup over the CPU tier alone would find one block less again."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from support.eagle_tier import eagle_cpu_tier
 
     engine = make_engine(cpu_blocks=8)
-    eagle_config = EngineArgs(
-        model=tiny_model_dir, block_size=BS, enable_prefix_caching=True, enforce_eager=True,
-        max_model_len=2048, speculative_config={
-            "method": "eagle", "model": tiny_eagle_dir, "num_speculative_tokens": 1},
-    ).create_engine_config()
-    cpu = CpuTier(eagle_config, engine.kv_cache_config, 8, BS, BS)
+    cpu = eagle_cpu_tier(engine, tiny_model_dir, tiny_eagle_dir)
     req = engine.add("req", [1 + i % 50 for i in range(3 * BS + 1)])
     hashes = req.block_hashes
     readable = set(_keys(hashes, (0, FULL), (1, FULL), (2, FULL)))
