@@ -24,6 +24,9 @@ PROMPT_BLOCKS = 5  # synthetic_text(180) is 181 tokens: 5 full blocks
 CPU_BLOCKS = 12  # three other prompts push a prompt out of the CPU tier
 TIMEOUT_S = 2.0  # mooncake_timeout_s
 TICKS = os.sysconf("SC_CLK_TCK")
+# vLLM's log line when it cannot reset its prefix cache (a block still in use).
+RESET_REFUSED = "Failed to reset prefix cache"
+RESET_WAIT_S = 30.0
 
 
 def start_server(model: str, master: str, log_path: Path, extra_args: tuple[str, ...] = (),
@@ -93,8 +96,19 @@ class Probe:
                 return values
             time.sleep(0.25)
 
-    def reset_device_cache(self) -> None:
-        assert self.server.post("/reset_prefix_cache") == 200
+    def reset_device_cache(self, timeout_s: float = RESET_WAIT_S) -> None:
+        """Empty vLLM's device prefix cache. vLLM refuses while a block is in use (a
+        store's copy holds its device blocks until it lands) and says so only in its
+        log, the endpoint answering 200 all the same: ask again until it takes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            refused = self.server.log().count(RESET_REFUSED)
+            assert self.server.post("/reset_prefix_cache") == 200
+            time.sleep(0.2)  # for the engine's log line, where it refused
+            if self.server.log().count(RESET_REFUSED) == refused:
+                return
+            assert time.monotonic() < deadline, "vLLM kept refusing to reset its prefix cache"
+            time.sleep(0.5)
 
 
 def cpu_seconds(sid: int) -> float:
