@@ -57,6 +57,7 @@ async def load(cfg: SoakConfig, served: Server, master, names: list[str]):
     deadline = cfg.request_deadline_s
 
     ops = workload.FaultOps(client, served.model, rng, outcomes, deadline)
+    ops.clients_go.set()
 
     async def observe() -> dict:
         return await sampler.observe(cfg, served)
@@ -64,7 +65,8 @@ async def load(cfg: SoakConfig, served: Server, master, names: list[str]):
     try:
         await asyncio.gather(
             *(workload.client_loop(client, served.model, random.Random(cfg.seed * 1000 + i),
-                                   stop_at, outcomes, deadline) for i in range(cfg.clients)),
+                                   stop_at, outcomes, deadline, go=ops.clients_go)
+              for i in range(cfg.clients)),
             sampler.sample_loop(cfg, served, outcomes, stop_at, rows, master),
             fault_loop(cfg, names, rng, stop_at, master, ops, observe, faults))
         await asyncio.sleep(5)  # the last fault's effects reach the counters

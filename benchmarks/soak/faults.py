@@ -112,19 +112,26 @@ def remove(hit: list[Path]) -> int:
 
 
 async def on_a_prompt_read_again(cfg: SoakConfig, rng: random.Random, ops, name: str) -> str:
-    """``damage`` or ``remove``, with a prompt whose blocks are read from the disk after."""
-    since = time.time() - 1
-    prompt = ops.new_prompt()
-    first = await ops.ask(prompt)
-    await asyncio.sleep(2)  # its blocks reach the disk
-    hit = chosen(cfg.disk_path, rng, 0.3, since)
-    n = damage(hit, rng) if name == "damage" else remove(hit)
-    # New long prompts, one at a time, until the device and the CPU tier forgot it
-    # (the disk tier, larger, still holds it).
-    flush = (cfg.device_blocks + cfg.cpu_blocks) // PROMPT_BLOCKS + 2
-    for _ in range(flush):
-        await ops.ask(ops.new_prompt(), max_tokens=1)
-    again = await ops.ask(prompt)
+    """``damage`` or ``remove``, with a prompt whose blocks are read from the disk after.
+    The other clients wait meanwhile: on a fast host their new blocks pushed the prompt
+    out of the disk tier too before it was asked again (its read then came from
+    Mooncake, and showed nothing)."""
+    ops.clients_go.clear()
+    try:
+        since = time.time() - 1
+        prompt = ops.new_prompt()
+        first = await ops.ask(prompt)
+        await asyncio.sleep(2)  # its blocks reach the disk
+        hit = chosen(cfg.disk_path, rng, 0.3, since)
+        n = damage(hit, rng) if name == "damage" else remove(hit)
+        # New long prompts, one at a time, until the device and the CPU tier forgot it
+        # (the disk tier, larger, still holds it).
+        flush = (cfg.device_blocks + cfg.cpu_blocks) // PROMPT_BLOCKS + 2
+        for _ in range(flush):
+            await ops.ask(ops.new_prompt(), max_tokens=1)
+        again = await ops.ask(prompt)
+    finally:
+        ops.clients_go.set()
     same = "the same" if again.tokens == first.tokens else "OTHER"
     return (f"{n} block files {'overwritten' if name == 'damage' else 'deleted'}; a prompt "
             f"read again after {flush} others: {same} tokens")

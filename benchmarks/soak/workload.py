@@ -82,9 +82,13 @@ async def stream(client, model: str, out: Outcome, drop_after: int | None,
 
 async def client_loop(client, model: str, rng: random.Random, stop_at: float,
                       outcomes: list[Outcome], deadline_s: float,
-                      until: Callable[[], bool] | None = None) -> None:
-    """Requests one after another until ``stop_at`` (monotonic) or ``until()``."""
+                      until: Callable[[], bool] | None = None,
+                      go: asyncio.Event | None = None) -> None:
+    """Requests one after another until ``stop_at`` (monotonic) or ``until()``; each
+    waits while ``go`` is clear (a fault that needs the disk tier to itself)."""
     while time.monotonic() < stop_at and not (until is not None and until()):
+        if go is not None:
+            await go.wait()
         kind = rng.choices([k for k, _ in KINDS], weights=[w for _, w in KINDS])[0]
         out = Outcome(kind, prompt_for(kind, rng), rng.choice(MAX_TOKENS), time.monotonic())
         outcomes.append(out)
@@ -110,6 +114,7 @@ class FaultOps:
     rng: random.Random
     outcomes: list[Outcome]
     deadline_s: float
+    clients_go: asyncio.Event = field(default_factory=asyncio.Event)  # set: clients run
 
     def new_prompt(self) -> str:
         return synthetic_text(380, seed=self.rng.randrange(1 << 30))
