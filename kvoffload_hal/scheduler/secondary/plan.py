@@ -65,9 +65,6 @@ class SlotPlan:
                        if not isinstance(b, TierBlock) and not b.is_null),
                       key=lambda x: x[0])
 
-    def waits_for_another(self) -> bool:
-        return any(isinstance(b, TierBlock) and b.coming for g in self.blocks for b in g)
-
 
 @dataclass
 class SlotPlanner:
