@@ -5,7 +5,7 @@ The CPU tier itself is :class:`~kvoffload_hal.scheduler.cpu_tier.CpuTier` (vLLM'
 :class:`~kvoffload_hal.scheduler.store_policy.StorePolicy`, and a secondary tier behind
 the CPU tier is a :class:`~kvoffload_hal.scheduler.secondary.chain.TierChain` of them,
 nearest first (maybe empty), built from the tiers' specs by
-:mod:`kvoffload_hal.scheduler.secondary.build`. Loads and stores are
+:meth:`~kvoffload_hal.scheduler.secondary.chain.TierChain.build`. Loads and stores are
 :class:`~kvoffload_hal.scheduler.load_jobs.LoadJobs` and
 :class:`~kvoffload_hal.scheduler.store_jobs.StoreJobs`. Every block they borrow
 stays referenced until the copy is over:
@@ -42,7 +42,7 @@ from kvoffload_hal.scheduler.cpu_tier import CpuTier
 from kvoffload_hal.scheduler.load_jobs import LoadJobs
 from kvoffload_hal.scheduler.parts import Parts
 from kvoffload_hal.scheduler.room import CpuRoom
-from kvoffload_hal.scheduler.secondary.build import build_chain
+from kvoffload_hal.scheduler.secondary.chain import TierChain
 from kvoffload_hal.scheduler.secondary.prefetch import build_prefetcher
 from kvoffload_hal.scheduler.secondary.staged import StagedHits
 from kvoffload_hal.scheduler.store_jobs import StoreJobs
@@ -85,7 +85,7 @@ class OffloadScheduler:
         self.policy = _make_policy(config, kv_cache_config, vllm_config, self.cpu)
         # Who takes the CPU tier's free blocks first: scheduler/room.py.
         self.cpu_room = CpuRoom(self.cpu)
-        self.tiers = build_chain(config.tiers, self.caps.tiers, kv_cache_config, self.cpu,
+        self.tiers = TierChain.build(config.tiers, self.caps.tiers, kv_cache_config, self.cpu,
                                  self.world_size, self.stats, self.cpu_room)
         self.stores = StoreJobs(self.cpu, self.tiers, self.stats, self.world_size,
                                 self.cpu_room)

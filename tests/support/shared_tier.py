@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.scheduler.secondary.base import TierNames
 from kvoffload_hal.scheduler.secondary.shared import SharedTier, SharedTierIndex
+from kvoffload_hal.scheduler.secondary.spill import TierNames
 from support.clock import FakeClock
 
 BS = 16

@@ -7,5 +7,5 @@ tier (:mod:`.reads`), promotions at a lookup (:mod:`.promotions`), a shared tier
 existence queries and circuit breaker (:mod:`.shared`, :mod:`.breaker`), hits longer
 than the CPU tier's room (:mod:`.staged`) and the lookahead for waiting requests
 (:mod:`.prefetch`). :mod:`.chain` is what ``scheduler/core.py`` calls: the tiers,
-nearest first; :mod:`.build` builds it from the tiers' specs.
+nearest first, built from the tiers' specs.
 """

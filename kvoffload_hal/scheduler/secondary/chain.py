@@ -13,7 +13,11 @@ states the rule:
   them; once they are in the CPU tier, the next lookup asks again for the rest, so a
   block gone from the disk tier comes back from the next tier behind it.
 
-With no tier, every call does nothing.
+With no tier, every call does nothing. :meth:`TierChain.build` turns the tiers' specs
+(:class:`~kvoffload_hal.tiers.spec.SchedulerHalf`) into machinery: a
+:class:`~.promotions.PromotingTier` over a :class:`~.index.TierIndex` for a tier only this
+instance writes, a :class:`~.shared.SharedTier` (existence queries, bounded waits, the
+circuit breaker) for one ``shared_across_instances``.
 """
 
 from __future__ import annotations
@@ -22,19 +26,28 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvoffload_hal.config import device_bytes_per_block
 from kvoffload_hal.scheduler.parts import RequestPart
 from kvoffload_hal.scheduler.room import RoomKind
+from kvoffload_hal.scheduler.secondary.index import TierIndex
+from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
+from kvoffload_hal.scheduler.secondary.reads import TierReads
+from kvoffload_hal.scheduler.secondary.shared import SharedTier, SharedTierIndex
+from kvoffload_hal.scheduler.secondary.spill import TierNames
+from kvoffload_hal.tiers.registry import scheduler_half
+from kvoffload_hal.tiers.spec import SchedulerTierContext
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
     from kvoffload_hal.metadata import JobReport, TierJobs
-    from kvoffload_hal.scheduler.cpu_tier import Hit
-    from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
-    from kvoffload_hal.scheduler.secondary.reads import TierReads
-    from kvoffload_hal.tiers.spec import BlockKey
+    from kvoffload_hal.metrics import StatsLedger
+    from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
+    from kvoffload_hal.scheduler.room import CpuRoom
+    from kvoffload_hal.tiers.spec import BlockKey, TierSpec
 
 
 class TierChain(RequestPart):
@@ -45,6 +58,32 @@ class TierChain(RequestPart):
         self.reads = reads
         self.room = reads.room
         self.active = bool(self.tiers)
+
+    @classmethod
+    def build(cls, specs: Sequence[TierSpec], running: Sequence[str],
+              kv_cache_config: KVCacheConfig, cpu: CpuTier, world_size: int,
+              stats: StatsLedger, room: CpuRoom) -> TierChain:
+        """The chain of ``specs`` that run for this model (``running``: their names; the
+        others are said once and left out), sharing one room broker."""
+        ctx = SchedulerTierContext(kv_cache_config, world_size,
+                                   device_bytes_per_block(kv_cache_config))
+        reads = TierReads(cpu, room, stats)
+        tiers = []
+        for spec in specs:
+            half = scheduler_half(spec, spec.name in running, ctx)
+            if half is None:
+                continue
+            names = TierNames(spec.name, spec.display_name())
+            if spec.shared_across_instances:
+                index = SharedTierIndex(half.capacity_blocks,
+                                        deletes_evicted=half.deletes_evicted)
+                tiers.append(SharedTier(index, cpu, world_size, stats, half.wait_s,
+                                        names=names, rebuild=half.rebuild, reads=reads))
+            else:
+                tiers.append(PromotingTier(TierIndex(half.capacity_blocks), cpu, world_size,
+                                           stats, rebuild=half.rebuild, names=names,
+                                           reads=reads))
+        return cls(tiers, reads)
 
     def __iter__(self):
         return iter(self.tiers)

@@ -37,6 +37,8 @@ class GroupKeys:
 
     def __init__(self, groups: Sequence[int], dense: Sequence[int]) -> None:
         self.groups = list(groups)
+        # Every group kept needs every block before a hit's end: a prefix of a hit is a hit.
+        self.all_dense = all(g in dense for g in self.groups)
         self.dense = [g for g in dense if g in self.groups] or list(self.groups)
 
     @classmethod

@@ -27,12 +27,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
-from kvoffload_hal.scheduler.secondary.base import SchedulerTier, TierNames
 from kvoffload_hal.scheduler.secondary.groups import GroupKeys
 from kvoffload_hal.scheduler.secondary.index import TierIndex
 from kvoffload_hal.scheduler.secondary.plan import SlotPlan, SlotPlanner
 from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead, TierReads, starved
-from kvoffload_hal.scheduler.secondary.spill import JobKind, SpillingTier, TierJob, TierStep
+from kvoffload_hal.scheduler.secondary.spill import (
+    JobKind,
+    SpillingTier,
+    TierJob,
+    TierNames,
+    TierStep,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -42,7 +47,7 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.tiers.spec import BlockKey
 
-__all__ = ["SchedulerTier", "PromotingTier", "TierStep"]
+__all__ = ["PromotingTier", "TierStep"]
 
 
 def _no_copies() -> bool:
@@ -59,7 +64,7 @@ def _blocks(hit: Hit) -> list[KVCacheBlock]:
 
 
 class PromotingTier(SpillingTier):
-    stages = True
+    """A tier's scheduler half: its spills, its promotions, the source of staged hits."""
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, rebuild: bool = False,
@@ -81,7 +86,13 @@ class PromotingTier(SpillingTier):
         self.planner = SlotPlanner(cpu, self.groups, index.is_ready, self._coming)
 
     def bind_copies(self, copies_in_flight: Callable[[], bool]) -> None:
+        """``copies_in_flight()``: whether the CPU tier's own loads or stores hold CPU
+        blocks that they release when they end."""
         self._copies_in_flight = copies_in_flight
+
+    def may_stage(self) -> bool:
+        """Whether a hit may be staged now (a shared tier: while its breaker is closed)."""
+        return True
 
     # ----------------------------------------------------------- promotion
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
@@ -152,8 +163,7 @@ class PromotingTier(SpillingTier):
     def _waits_for_others(self, req_id: str, positions: list[Any]) -> bool:
         """Whether another request's read brings blocks of ``positions``: this request
         asks again once they are in the CPU tier, and loads them from there."""
-        return bool(self.reads.owners) and any(
-            self.reads.owned_by_another(k, req_id) for k in self.groups.keys(positions))
+        return self.reads.brings_for_another(self.groups.keys(positions), req_id)
 
     def _waits_for_room(self, req_id: str, plan: SlotPlan, end_block: int,
                         own: list[KVCacheBlock], hashes: list[Any]) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
     from kvoffload_hal.scheduler.room import CpuRoom
-    from kvoffload_hal.scheduler.secondary.base import TierNames
     from kvoffload_hal.scheduler.secondary.index import TierIndex
+    from kvoffload_hal.scheduler.secondary.spill import TierNames
     from kvoffload_hal.tiers.spec import BlockKey
 
 # The longest a read, or a request waiting to start one, goes without CPU room before
@@ -127,10 +127,11 @@ class TierReads:
         self.owners.update((key, read) for key in read.keys)
         return read
 
-    def owned_by_another(self, key: BlockKey, reader: str) -> bool:
-        """Whether another reader's read brings ``key`` (``reader`` waits for it)."""
-        read = self.owners.get(key)
-        return read is not None and read.reader != reader
+    def brings_for_another(self, keys: Iterable[BlockKey], reader: str) -> bool:
+        """Whether another reader's read brings one of ``keys`` (``reader`` waits for it)."""
+        owners = self.owners
+        return bool(owners) and any(
+            (read := owners.get(key)) is not None and read.reader != reader for key in keys)
 
     def keep_only(self, read: TierRead, keep: Callable[[int], bool]) -> None:
         """Give up the entries whose index ``keep`` refuses, before anything is queued."""

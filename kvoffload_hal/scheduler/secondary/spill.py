@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import JobBook, RankTally
-from kvoffload_hal.scheduler.secondary.base import SchedulerTier, TierNames
+from kvoffload_hal.scheduler.parts import RequestPart
 from kvoffload_hal.scheduler.secondary.index import TierIndex
 from kvoffload_hal.scheduler.secondary.rebuild import IndexRebuild
 from kvoffload_hal.tiers.spec import BlockKey
@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
+
+
+class TierNames(NamedTuple):
+    """How counters (``blocks_to_<name>``, ...) and log lines (``label``) name a tier."""
+
+    name: str = "tier"
+    label: str = "secondary tier"
+
 
 class JobKind(Enum):
     """What a tier job does; one job per kind per step."""
@@ -59,7 +67,7 @@ class TierStep:
     jobs: list[Any]
 
 
-class SpillingTier(SchedulerTier):
+class SpillingTier(RequestPart):
     """The tier's jobs and spills; promotions are the subclass's (``_finish_promotion``)."""
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,

@@ -56,7 +56,6 @@ from kvoffload_hal.scheduler.room import RoomKind
 from kvoffload_hal.scheduler.secondary.groups import GroupKeys
 from kvoffload_hal.scheduler.secondary.staged_check import StagedChecks
 from kvoffload_hal.scheduler.secondary.staged_plan import (
-    NotStaged,
     Round,
     Slot,
     Staged,
@@ -94,7 +93,7 @@ class StagedHits(RequestPart):
         self.cpu = cpu
         self.stats = stats
         self.block_size = block_size
-        self.enabled = self.active = any(tier.stages for tier in tiers)
+        self.enabled = self.active = bool(tiers)
         self.reads = tiers.reads
         self.groups = GroupKeys.of(cpu)
         self.vllm = vllm
@@ -120,14 +119,11 @@ class StagedHits(RequestPart):
         run = request.block_hashes[(num_computed_tokens + hit_tokens) // bs:
                                    (num_computed_tokens + max_hit_tokens) // bs]
         # (A hit on busy CPU blocks waited already: LoadJobs.wait_for_shared_load.)
-        if self.reads.owners and any(  # (most: nothing is owned)
-                self.reads.owned_by_another(k, req_id) for k in self.groups.keys(run)):
+        if self.reads.brings_for_another(self.groups.keys(run), req_id):
             self.loads.note_wait(req_id)
             return None
         staged = plan_chain_hit(self.tiers, self.cpu, req_id, hit, request.block_hashes,
-                                num_computed_tokens // bs, run, max_hit_tokens)
-        if staged is NotStaged.WAIT:
-            return None
+                                num_computed_tokens // bs, max_hit_tokens)
         if not isinstance(staged, Staged):
             self.checks.forget(req_id)
             return 0

@@ -99,36 +99,32 @@ class NotStaged(Enum):
 
     FITS = "a promotion serves the run whole"
     NOTHING = "the tier holds nothing vLLM's lookup would take after the CPU hit"
-    WAIT = "another request's read brings a block of the run: ask again later"
 
 
 def plan_chain_hit(tiers: TierChain, cpu: CpuTier, req_id: str, hit: Hit,
-                   block_hashes: Sequence[Any], first: int, run: Sequence[Any],
-                   max_tokens: int) -> Staged | NotStaged:
+                   block_hashes: Sequence[Any], first: int, max_tokens: int,
+                   ) -> Staged | NotStaged:
     """The staged hit of the nearest tier that holds the blocks after the CPU hit, or why
     there is none (a promotion of that tier's blocks serves them, see :func:`plan_hit`)."""
     for tier in tiers:
         if not tier.may_stage():
             return NotStaged.FITS  # the lookup goes the breaker's way
-        staged = plan_hit(tier, cpu, req_id, hit, block_hashes, first, run, max_tokens)
+        staged = plan_hit(tier, cpu, req_id, hit, block_hashes, first, max_tokens)
         if staged is not NotStaged.NOTHING:
             return staged
     return NotStaged.NOTHING
 
 
 def plan_hit(tier: PromotingTier, cpu: CpuTier, req_id: str, hit: Hit,
-             block_hashes: Sequence[Any], first: int, run: Sequence[Any],
-             max_tokens: int) -> Staged | NotStaged:
+             block_hashes: Sequence[Any], first: int, max_tokens: int,
+             ) -> Staged | NotStaged:
     """The hit over the CPU tier and the tier together from block ``first`` on, when
     the tier's part of it is more than a promotion has room for; else why not.
 
-    ``run``: the positions after the CPU hit ``hit``. The slots are the one planner's
-    (:mod:`.plan`): a promotion would read the same blocks, one position more at most."""
+    The slots are the one planner's (:mod:`.plan`): a promotion would read the same
+    blocks, one position more at most."""
     if tier.held_for(req_id, promoting_only=True):
         return NotStaged.FITS  # its promotion (a prefetch) is in flight: the tier waits
-    if tier.reads.owners and any(tier.reads.owned_by_another(key, req_id)
-                                 for key in tier.groups.keys(run)):
-        return NotStaged.WAIT
     plan = tier.planner.plan(block_hashes, first, max_tokens, with_coming=False)
     staged = Staged(req_id, tier, plan.cpu_slots(), plan.tier_slots(), plan.num_tokens, 0)
     if not staged.tier:

@@ -6,11 +6,11 @@ import pytest
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
-from kvoffload_hal.scheduler.secondary.base import TierNames
 from kvoffload_hal.scheduler.secondary.chain import TierChain
 from kvoffload_hal.scheduler.secondary.index import TierIndex
 from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
 from kvoffload_hal.scheduler.secondary.reads import TierReads
+from kvoffload_hal.scheduler.secondary.spill import TierNames
 
 BS = 16
 

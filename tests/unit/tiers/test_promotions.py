@@ -4,9 +4,9 @@ import pytest
 
 from kvoffload_hal.metadata import JobReport
 from kvoffload_hal.metrics import StatsLedger
-from kvoffload_hal.scheduler.secondary.base import TierNames
 from kvoffload_hal.scheduler.secondary.index import TierIndex
 from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
+from kvoffload_hal.scheduler.secondary.spill import TierNames
 
 BS = 16
 DISK = TierNames("disk", "disk tier")

@@ -331,3 +331,37 @@ def test_a_cache_reset_stops_a_staged_hit_after_what_it_promoted(make_engine, tm
     assert 0 < engine.cached_tokens["again"] < DOC_BLOCKS * BS  # stopped part-way
     assert _delta(engine, before, "staged_hits") == 0
     engine.assert_idle()
+
+
+def test_a_staged_hit_the_scheduler_takes_less_of_serves_its_leading_blocks(make_engine,
+                                                                            tmp_path):
+    """vLLM may accept fewer tokens than a lookup offered: a one-group hit keeps the
+    leading blocks it accepted, and one it accepts none of is let go whole."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    engine = _engine(make_engine, tmp_path)
+    doc = _doc(1)
+    _on_disk_only(engine, doc)
+    gpu_pool = engine.scheduler.kv_cache_manager.block_pool
+    for accepted in (0, 4):  # (the second is left unserved: the test ends there)
+        req = engine.add(f"again-{accepted}", doc)
+        engine.scheduler.waiting.remove(req)  # drive the two phases by hand
+        for _ in range(200):  # until the lookup answers (idle steps in between)
+            answer = engine.offload.get_num_new_matched_tokens(req, 0)
+            if answer[0] is not None:
+                break
+            engine.step()
+        assert answer == (DOC_BLOCKS * BS, True)
+        gpu_blocks = gpu_pool.get_new_blocks(DOC_BLOCKS)
+        engine.offload.update_state_after_alloc(req, KVCacheBlocks((gpu_blocks,)),
+                                                accepted * BS)
+        staged = engine.offload.staged._active.get(req.request_id)
+        if accepted:
+            assert sorted(staged.gpu_ids.values()) == sorted(
+                b.block_id for b in gpu_blocks[:accepted])
+            assert staged.failed_at is None and staged.num_tokens == accepted * BS
+        else:
+            assert staged is None
+            assert engine.offload.num_pinned_cpu_blocks() == 0
+            assert not engine.offload.has_pending_transfers()
+            gpu_pool.free_blocks(gpu_blocks)
