@@ -20,10 +20,13 @@ Sizes: the device holds a quarter of the documents' blocks, the CPU tier 60 % to
 90 % of them: the CPU tier alone never holds them all, the two together hold them
 from 80 % on (less the device's blocks of running requests).
 
-``--modes`` takes ``device_copies`` values and ``drop-evicting``, ``drop`` whose stores
-evict blocks only the CPU tier holds, as ``keep``'s do (what spare room for stores gains).
+``--modes`` takes ``device_copies`` values and two ablations of ``drop``:
+``drop-no-hand-over``, whose rescues never go into the CPU blocks of the step's own loads
+(what ``scheduler/hand_over.py`` gains), and ``drop-evicting``, that and stores that evict
+blocks only the CPU tier holds, as ``keep``'s do (what spare room for stores gains).
 
-    python benchmarks/one_cache_sweep.py [--modes keep drop-evicting drop] [--quick]
+    python benchmarks/one_cache_sweep.py [--modes keep drop-evicting drop-no-hand-over drop]
+                                         [--quick]
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ WORKLOADS = ("waves", "serial", "zipf")
 DOCS_X_BLOCKS = ((12, 4), (16, 8), (12, 16))
 CPU_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
 DEVICE_FRACTION = 0.25
-# ``drop-evicting``: ``drop`` whose stores evict blocks only the CPU tier holds, as
-# with ``keep`` (without ``DeviceCopies.spare_stores``): what spare room gains.
-EVICTING = "-evicting"
+# Ablations of ``drop``: no rescue into the CPU blocks of the step's loads; and that and
+# stores that evict blocks only the CPU tier holds, as with ``keep`` (without
+# ``DeviceCopies.spare_stores``).
+NO_HAND_OVER, EVICTING = "-no-hand-over", "-evicting"
+ABLATIONS = (NO_HAND_OVER, EVICTING)
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,10 @@ def run_shape(shape: Shape, mode: str, model_dir: str, seed: int) -> dict:
                for _ in range(shape.docs)]
     engine = Engine(model_dir, block_size=BS, num_gpu_blocks=shape.device_blocks,
                     cpu_blocks=shape.cpu_blocks, max_num_batched_tokens=2048,
-                    extra_config={"device_copies": mode.removesuffix(EVICTING)})
-    if mode.endswith(EVICTING):  # the ablation: stores evict as with keep
+                    extra_config={"device_copies": mode.split("-")[0]})
+    if mode.endswith(ABLATIONS):
+        engine.offload.hand_overs = None
+    if mode.endswith(EVICTING):  # stores evict as with keep
         engine.offload.cpu.device_copies.spare_stores = False
     try:
         admissions = Admissions(engine.scheduler, BS)
@@ -177,7 +184,8 @@ def write_plot(rows: list[tuple[Shape, dict[str, dict]]], modes: list[str], path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", nargs="+", default=["keep", "drop-evicting", "drop"])
+    parser.add_argument("--modes", nargs="+",
+                        default=["keep", "drop-evicting", "drop-no-hand-over", "drop"])
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a few shapes, nothing written")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)

@@ -204,6 +204,11 @@ class VllmStrategy:
         block nor per request (the engine may stop), else None."""
         return None
 
+    def reads_failed_loads_again(self) -> bool:
+        """Whether a failed load is sent again from the CPU blocks it read (then no rescue
+        may take those blocks in its step: scheduler/hand_over.py)."""
+        return False
+
     def tracks_landed_loads(self) -> bool:
         """Whether the scheduler must keep vLLM's scan of the waiting queue going until a
         request whose asynchronous load landed is picked up. vLLM 0.32 scans the waiting
@@ -275,6 +280,9 @@ class OlderVllmRetrying(OlderVllm):
         send_again(req_ids)
 
     def checks_staged_hits_first(self) -> bool:
+        return True
+
+    def reads_failed_loads_again(self) -> bool:
         return True
 
     def recovery_notice(self) -> str | None:

@@ -50,6 +50,19 @@ class LoadSpec(NamedTuple):
     staged: bool = False
     final: bool = True
     failed_gpu_blocks: tuple[int, ...] = ()
+    # Rescues into the CPU blocks of this load (scheduler/hand_over.py), in order: each
+    # runs once the load's blocks before it landed, and before the ones after it.
+    hand_overs: tuple[HandOver, ...] = ()
+
+
+class HandOver(NamedTuple):
+    """After a load's first ``upto`` blocks landed, ``rescue`` copies device blocks the
+    rest of it fills into CPU blocks those first blocks were read from; the load goes on
+    as job ``next_job_id`` (a copy backend takes each job id once)."""
+
+    upto: int
+    rescue: StoreSpec
+    next_job_id: int
 
 
 class StoreSpec(NamedTuple):

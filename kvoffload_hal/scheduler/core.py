@@ -97,6 +97,11 @@ class OffloadScheduler:
         self.staged = StagedHits(self.tiers, self.loads, self.cpu, self.stats, block_size,
                                  self.caps.vllm)
         self.tiers.bind_copies(self._copies_in_flight)
+        # Rescues into the CPU blocks of the step's loads (scheduler/hand_over.py): not
+        # where a failed load is sent again from those blocks.
+        hands_over = (self.cpu.device_copies.spare_stores
+                      and not self.caps.vllm.reads_failed_loads_again())
+        self.hand_overs = self.loads if hands_over else None
         self.prefetch = build_prefetcher(config, self.cpu, self.tiers, block_size, self.stats)
         self.room = LoadRoom(block_size, config.defer_loads_without_room
                              and len(kv_cache_config.kv_cache_groups) == 1)
@@ -210,13 +215,13 @@ class OffloadScheduler:
         for release_unallocated in self._parts.release_unallocated:
             release_unallocated()
         # The CPU room goes by scheduler/room.py's order, whichever asks first.
-        rescue = self.stores.rescue(self.cpu.device_copies.take_rescues())
+        rescue, load = self.stores.rescue(self.cpu.device_copies.take_rescues(),
+                                          self.loads.take_job(), self.hand_overs)
         self.staged.advance()
         picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)
         self.stores.queue(picker)
         self.prefetch.step()
-        load = self.loads.take_job()
         return OffloadMetadata(load=load, store=self.stores.take_job(), rescue=rescue,
                                tiers=self.tiers.take_jobs(), rounds=self.staged.take_rounds(),
                                need_flush=bool(scheduler_output.preempted_req_ids))

@@ -104,8 +104,7 @@ class LoadJobs(RequestPart):
         self.gpu_pool: BlockPool | None = None
         self._pending_hits: dict[str, _PendingHit] = {}
         self._loads: dict[str, _Load] = {}
-        # Synchronous jobs and staged rounds are reported by every rank; asynchronous
-        # loads per request (finished_recving).
+        # Reported by every rank: synchronous jobs, staged rounds (asynchronous: per request).
         self._jobs: JobBook[list[str] | RoundJob] = JobBook(world_size)
         # CPU blocks a planned or unreported load reads, and those of loads that
         # ended since the last step (the device caches them in the next one).
@@ -127,6 +126,13 @@ class LoadJobs(RequestPart):
     def send_round(self, round_job: RoundJob) -> int:
         """A staged round's id; ``round_job.on_done`` once every rank reported it."""
         return self._jobs.send(round_job)
+
+    def hand_over(self, job_id: int, cpu_ids: list[int]) -> None:
+        """Job ``job_id``'s CPU blocks ``cpu_ids`` go to a rescue once read (scheduler/
+        hand_over.py), with their pins: not busy, nor counted as loaded, here."""
+        for load in (ld for ld in self._loads.values() if ld.job_id == job_id):
+            load.cpu_ids = [b for b in load.cpu_ids if b not in cpu_ids]
+        self.release_busy(cpu_ids)
 
     def hold_busy(self, block_ids: Iterable[int]) -> None:
         """CPU blocks a copy to the device is about to read: other requests wait."""

@@ -15,11 +15,12 @@ A device block, or a hash, with a store queued or sent is not picked again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.metadata import JobReport, StoreSpec
+from kvoffload_hal.metadata import HandOver, JobReport, LoadSpec, StoreSpec
 from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
+from kvoffload_hal.scheduler.hand_over import Rescue, plan_hand_over
 from kvoffload_hal.scheduler.jobs import JobBook
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
 from kvoffload_hal.scheduler.store_policy import BlockPicker
@@ -33,6 +34,16 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.secondary.chain import TierChain
 
 logger = init_logger(__name__)
+
+
+class HandOvers(Protocol):
+    """The book of loads, as rescues into their CPU blocks see it (LoadJobs)."""
+
+    def hand_over(self, job_id: int, cpu_ids: list[int]) -> None:
+        """Load job ``job_id``'s CPU blocks ``cpu_ids`` are a rescue's now."""
+
+    def new_job_id(self) -> int:
+        """An id for the rest of a load, after a rescue into its blocks."""
 
 
 @dataclass
@@ -112,22 +123,48 @@ class StoreJobs:
         self._queued.append(_Store(gpu_ids, [b.block_id for b in cpu_blocks], hashes,
                                    picker.prompt_ends.intersection(hashes)))
 
-    def rescue(self, rescued: list[tuple[int, Any]]) -> StoreSpec | None:
-        """One job copying device blocks vLLM reuses in this step, (device block id,
-        hash) each, before the step's forward pass writes them (``device_copies``
-        ``drop``); sent ahead of the step's store job, as far as the CPU tier has room.
-        The device blocks are not pinned: their new requests hold them, and the
-        workers copy them before anything else this step."""
+    def rescue(self, rescued: list[tuple[int, Any]], load: LoadSpec | None = None,
+               hands: HandOvers | None = None) -> tuple[StoreSpec | None, LoadSpec | None]:
+        """The copies of device blocks vLLM reuses in this step, (device block id, hash)
+        each, before anything writes them (``device_copies`` ``drop``): one job sent
+        ahead of the step's other copies, as far as the CPU tier has room, and, given
+        ``hands`` (the loads' book), rescues into the CPU blocks of the step's ``load``
+        once each has run (:mod:`~kvoffload_hal.scheduler.hand_over`): the load comes
+        back in the order its blocks run. The device blocks are not pinned: their new
+        requests hold them, and the workers copy them before writing them."""
         wanted: dict[Any, int] = {}
         for gpu_id, h in rescued:
             if h not in self._in_flight_hashes and not self.cpu.holds(h):
                 wanted.setdefault(h, gpu_id)
-        num_blocks = self.room.grant(RoomKind.RESCUES, len(wanted))
-        if num_blocks <= 0:
+        room = self.room.grant(RoomKind.RESCUES, len(wanted))
+        if not wanted:
+            return None, load
+        rescues = [Rescue(g, h) for h, g in wanted.items()]
+        if load is None or hands is None:
+            return self._send_rescue(rescues[:room], self.cpu.allocate(room)), load
+        fresh = self.cpu.allocate(room, for_device_blocks=True)  # evicting nothing
+        plan = plan_hand_over(rescues, list(zip(load.cpu_blocks, load.gpu_blocks)),
+                              len(fresh))
+        fresh += self.cpu.allocate(min(room, len(plan.first)) - len(fresh))
+        first = self._send_rescue(plan.first[:len(fresh)], fresh)
+        hand_overs = []
+        for upto, pairs in plan.rounds:
+            homes = [cpu_id for _, cpu_id in pairs]
+            hands.hand_over(load.job_id, homes)
+            self.cpu.drop(homes)  # their bytes go to the device; the load keeps its pin
+            spec = self._send_rescue([r for r, _ in pairs], self.cpu.blocks(homes))
+            hand_overs.append(HandOver(upto, spec, hands.new_job_id()))
+        return first, load._replace(cpu_blocks=[load.cpu_blocks[i] for i in plan.order],
+                                    gpu_blocks=[load.gpu_blocks[i] for i in plan.order],
+                                    hand_overs=tuple(hand_overs))
+
+    def _send_rescue(self, rescues: list[Rescue], cpu_blocks: list[KVCacheBlock],
+                     ) -> StoreSpec | None:
+        """A job copying ``rescues`` into ``cpu_blocks`` (pinned: the job unpins them)."""
+        if not rescues:
             return None
-        hashes = list(wanted)[:num_blocks]
-        gpu_ids = [wanted[h] for h in hashes]
-        cpu_ids = [b.block_id for b in self.cpu.allocate(num_blocks)]
+        gpu_ids, hashes = [r.gpu_id for r in rescues], [r.block_hash for r in rescues]
+        cpu_ids = [b.block_id for b in cpu_blocks]
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)
         store = _Store(gpu_ids, cpu_ids, hashes, pins_device=False)

@@ -55,6 +55,7 @@ from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
 from kvoffload_hal.tiers.identity import kv_fingerprint, rank_in_replica
 from kvoffload_hal.tiers.registry import build_worker_half
 from kvoffload_hal.tiers.spec import WorkerTierContext
+from kvoffload_hal.worker.hand_over import LoadParts, launch_load, rescue_now, whole_load
 from kvoffload_hal.worker.loads import LoadOutcomes
 from kvoffload_hal.worker.shutdown import shut_down
 from kvoffload_hal.worker.tiers import WorkerTiers
@@ -180,9 +181,7 @@ class OffloadWorker:
         if self._asleep:  # fails unlaunched, as the step's other copies
             self._unlaunched = _Unlaunched(store=spec)
             return self._fail_asleep()
-        self.backend.submit(TransferJob(spec.job_id, Direction.STORE, spec.gpu_blocks,
-                                        spec.cpu_blocks))
-        self._collect(self.backend.flush())
+        rescue_now(self.backend, spec, self._collect)
 
     def clear_connector_metadata(self) -> None:
         self._unlaunched = _Unlaunched()
@@ -244,6 +243,8 @@ class OffloadWorker:
         assert self.backend is not None
         pending = self._unlaunched
         launched = pending.store is not None or pending.load is not None or bool(pending.rounds)
+        if pending.load is not None and pending.load.hand_overs:
+            self._launch_load()  # its rescues' job ids come before the store's
         if pending.store is not None:
             store, pending.store = pending.store, None
             self.backend.submit(TransferJob(store.job_id, Direction.STORE,
@@ -267,6 +268,8 @@ class OffloadWorker:
         if pending.store is not None:
             self.stats.record_transfer(True, 0, 0.0, False)
             self._reports.stores[pending.store.job_id] = JobReport(failed=True)
+        for hand_over in pending.load.hand_overs if pending.load is not None else ():
+            self._reports.stores[hand_over.rescue.job_id] = JobReport(failed=True)
         for spec in ((pending.load,) if pending.load is not None else ()) + pending.rounds:
             self.stats.record_transfer(False, 0, 0.0, False)
             self.loads.on_result(spec, spec.job_id, False, self._reports)
@@ -275,8 +278,7 @@ class OffloadWorker:
     def _launch_load(self) -> None:
         assert self.backend is not None and self._unlaunched.load is not None
         load, self._unlaunched.load = self._unlaunched.load, None
-        self.backend.submit(TransferJob(load.job_id, Direction.LOAD, load.cpu_blocks,
-                                        load.gpu_blocks, tag=load))
+        launch_load(self.backend, load, self._collect)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.loads.take_error_blocks()
@@ -289,14 +291,9 @@ class OffloadWorker:
         return reports
 
     def get_stats(self) -> OffloadStats | None:
-        """This step's stats; an empty report in the steps right after a job report.
-
-        The scheduler counts blocks stored and loaded when it reads a job report,
-        after vLLM took its stats for that step. vLLM releases that take the
-        scheduler's stats only together with the workers' (0.23) would hold those
-        counts until the next copy, so the next steps report even with nothing
-        moved. (Two steps: whichever order vLLM asks for stats and reports in.)
-        """
+        """This step's stats; an empty report in the two steps after a job report: a
+        vLLM that takes the scheduler's stats only with the workers' (0.23) then gets
+        what the scheduler counted from that report (whichever it asks for first)."""
         stats = self.stats.take_step()
         if stats is None and self._stats_carriers > 0:
             stats = OffloadStats()
@@ -325,7 +322,10 @@ class OffloadWorker:
                              r.job_id, r.error)
                 self._reports.stores[r.job_id] = JobReport(failed=True)
 
-    def _on_load_result(self, r: JobResult, load: LoadSpec) -> None:
+    def _on_load_result(self, r: JobResult, tag: LoadSpec | LoadParts) -> None:
+        if (whole := whole_load(r, tag)) is None:
+            return  # a part of a load, not its last one back
+        load, r = whole
         if not r.ok:
             logger.error("%s load job %d failed (%s); %d blocks will be recomputed",
                          "synchronous" if load.sync else "asynchronous", r.job_id, r.error,

@@ -149,6 +149,8 @@ def test_blocks_the_device_evicts_before_they_are_stored_again_are_recomputed(
     take them (with ``slow-cpu`` the stores also stay in flight for several steps).
     Those blocks are recomputed; every read is checked; nothing stays pinned."""
     engine = make_engine(backend, **ROOMY, extra_config={"device_copies": "drop"})
+    # As where a failed load is sent again: no rescue goes into the CPU blocks of loads.
+    engine.offload.hand_overs = None
     tiers = Tiers(engine)
     docs = _docs(8)
     _one_at_a_time(engine, tiers, docs, "a")
@@ -157,6 +159,56 @@ def test_blocks_the_device_evicts_before_they_are_stored_again_are_recomputed(
     assert tiers.lost  # the device was faster
     hits = _hit_blocks(engine, burst)
     assert min(hits) < DOC_BLOCKS  # so those documents were computed again
+    assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()
+
+
+def _rescues_before_the_loads(monkeypatch):
+    """A worker that runs a load's rescues before any part of it: they overwrite CPU
+    blocks the load has not read yet (the control below)."""
+    from kvoffload_hal.hal.backend import Direction, TransferJob
+    from kvoffload_hal.worker import core
+
+    def out_of_order(backend, load, collect):
+        for h in load.hand_overs:
+            backend.submit(TransferJob(h.rescue.job_id, Direction.STORE, h.rescue.gpu_blocks,
+                                       h.rescue.cpu_blocks))
+            collect(backend.flush())
+        backend.submit(TransferJob(load.job_id, Direction.LOAD, load.cpu_blocks,
+                                   load.gpu_blocks, tag=load))
+    monkeypatch.setattr(core, "launch_load", out_of_order)
+
+
+@pytest.mark.parametrize("backend, control", [
+    ("cpu", False), ("slow-cpu", False), ("cpu", True)], ids=["cpu", "slow-cpu", "control"])
+def test_a_burst_rescues_into_the_cpu_blocks_of_its_own_loads(make_engine, monkeypatch,
+                                                              backend, control):
+    """The second pass arrives at once, and its loads pin the CPU blocks the device's
+    evictions would need: each such block is rescued into a CPU block a load of the
+    same step has read, between that load and the one that fills the device block it
+    copies (scheduler/hand_over.py). Nothing is lost from both tiers, every read is
+    checked, nothing stays pinned. The control runs the rescues before the loads: a
+    load then copies a rescued block's bytes, and the read of them is caught."""
+    engine = make_engine(backend, **ROOMY, extra_config={"device_copies": "drop"})
+    if control:
+        _rescues_before_the_loads(monkeypatch)
+    tiers = Tiers(engine)
+    docs = _docs(8)
+    _one_at_a_time(engine, tiers, docs, "a")
+    sent = len(engine.sent)
+    burst = [engine.add(f"b{i}", d, max_tokens=2) for i, d in enumerate(docs)]
+    if control:
+        with pytest.raises(AssertionError, match="wrong KV read"):
+            tiers.run()
+        return
+    tiers.run()
+    hand_overs = [h for meta in engine.sent[sent:] if meta is not None and meta.load
+                  for h in meta.load.hand_overs]
+    assert hand_overs
+    assert not tiers.lost
+    handed = sum(len(h.rescue.cpu_blocks) for h in hand_overs)
+    assert engine.offload.totals.data["blocks_rescued"] >= handed
     assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
     assert engine.model.checked_tokens > 0
     engine.assert_idle()
@@ -237,8 +289,10 @@ def test_rescues_take_the_room_first_and_the_rest_is_recomputed(make_engine):
     """A burst pins the CPU tier for its loads: the device reuses more blocks without a
     CPU copy than there are free CPU blocks. What fits is rescued first (before
     stores and promotions); the rest is gone from both tiers and recomputed, every
-    read checked, nothing left pinned."""
+    read checked, nothing left pinned (where no rescue goes into the CPU blocks of the
+    step's loads: a failed load is sent again from them)."""
     engine = make_engine(**ROOMY, extra_config={"device_copies": "drop"})
+    engine.offload.hand_overs = None
     tiers = Tiers(engine)
     docs = _docs(8)
     _one_at_a_time(engine, tiers, docs, "a")
@@ -281,9 +335,9 @@ def test_two_kv_cache_groups_with_rescues(make_engine):
     stores, groups = engine.offload.stores, set()
     rescue = stores.rescue
 
-    def watched(rescued):
+    def watched(rescued, *args):
         groups.update(get_group_id(h) for _, h in rescued)
-        return rescue(rescued)
+        return rescue(rescued, *args)
     stores.rescue = watched
     docs = _docs(6)
     for tag in "ab":

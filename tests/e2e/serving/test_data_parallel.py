@@ -27,16 +27,9 @@ from support.mooncake_master import MooncakeMaster, skip_reason
 from support.mooncake_server import BLOCK_BYTES, CPU_BLOCKS, PROMPT_BLOCKS, Probe, start_server
 from support.openai_server import BLOCK_SIZE, Server
 
-
-def _old_vllm() -> bool:
-    from kvoffload_hal.vllm_compat import vllm_release
-
-    return vllm_release() < (0, 32)
-
-
-pytestmark = [pytest.mark.e2e, pytest.mark.two_cores,
-              pytest.mark.skipif(_old_vllm(), reason="data parallel behind the OpenAI "
-                                 "server is run on vLLM 0.32 only (not started on 0.23)")]
+# make test runs these on the vLLM 0.32 lane only (data parallel behind the OpenAI
+# server is not started on the 0.23 lane).
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores, pytest.mark.main_lane]
 needs_mooncake = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
 HIT = PROMPT_BLOCKS * BLOCK_SIZE

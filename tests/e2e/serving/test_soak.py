@@ -27,25 +27,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 
-pytestmark = [pytest.mark.e2e, pytest.mark.two_cores]
-
-SHORT_LANE = (0, 32)
-
-
-def _lane_skip() -> str | None:
-    from kvoffload_hal.vllm_compat import vllm_release
-
-    release = vllm_release()
-    if release != SHORT_LANE:
-        return (f"the soak's short run is on the vLLM 0.32 lane only (CI time); this is "
-                f"vLLM {'.'.join(map(str, release))}")
-    return None
+# make test runs it on the vLLM 0.32 lane only (CI time).
+pytestmark = [pytest.mark.e2e, pytest.mark.two_cores, pytest.mark.main_lane]
 
 
 def test_a_short_soak_under_faults_stays_correct_and_leaks_nothing(tiny_model_dir, tmp_path):
-    reason = _lane_skip()
-    if reason is not None:
-        pytest.skip(reason)
     from soak.config import SoakConfig
     from soak.driver import run
 
