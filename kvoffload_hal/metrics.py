@@ -25,6 +25,9 @@ COUNTERS: dict[str, str] = {
     "blocks_rescued": "KV blocks the device reused while the CPU tier held no copy, copied "
                       "to the CPU tier before the step's forward pass wrote them "
                       "(device_copies=drop; also in blocks_stored)",
+    "blocks_handed_over": "Rescued KV blocks copied into the CPU blocks of the same step's "
+                          "loads once those had run (device_copies=drop; also in "
+                          "blocks_rescued)",
     "blocks_loaded": "KV blocks copied CPU->device for prefix hits",
     "cpu_hit_tokens": "Prompt tokens served from the CPU tier instead of recomputed",
     "shared_load_waits": "Requests that waited for another request's load of the same CPU "
@@ -76,10 +79,13 @@ class _Recorder:
     def _add(self, key: str, value: float) -> None:
         raise NotImplementedError
 
-    def record_store(self, num_blocks: int, rescued: bool = False) -> None:
+    def record_store(self, num_blocks: int, rescued: bool = False,
+                     handed_over: bool = False) -> None:
         self._add("blocks_stored", num_blocks)
         if rescued:
             self._add("blocks_rescued", num_blocks)
+        if handed_over:
+            self._add("blocks_handed_over", num_blocks)
 
     def record_load(self, num_blocks: int, num_tokens: int) -> None:
         self._add("blocks_loaded", num_blocks)

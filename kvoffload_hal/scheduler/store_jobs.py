@@ -56,6 +56,7 @@ class _Store:
     prompt_ends: set[Any] = field(default_factory=set)  # see BlockPicker.prompt_ends
     abandoned: bool = False  # reset_cache() ran while in flight: do not publish
     pins_device: bool = True  # a rescue's device blocks belong to their new requests
+    handed_over: bool = False  # a rescue into CPU blocks of its step's loads
 
 
 class StoreJobs:
@@ -152,14 +153,15 @@ class StoreJobs:
             homes = [cpu_id for _, cpu_id in pairs]
             hands.hand_over(load.job_id, homes)
             self.cpu.drop(homes)  # their bytes go to the device; the load keeps its pin
-            spec = self._send_rescue([r for r, _ in pairs], self.cpu.blocks(homes))
+            spec = self._send_rescue([r for r, _ in pairs], self.cpu.blocks(homes),
+                                     handed_over=True)
             hand_overs.append(HandOver(upto, spec, hands.new_job_id()))
         return first, load._replace(cpu_blocks=[load.cpu_blocks[i] for i in plan.order],
                                     gpu_blocks=[load.gpu_blocks[i] for i in plan.order],
                                     hand_overs=tuple(hand_overs))
 
     def _send_rescue(self, rescues: list[Rescue], cpu_blocks: list[KVCacheBlock],
-                     ) -> StoreSpec | None:
+                     handed_over: bool = False) -> StoreSpec | None:
         """A job copying ``rescues`` into ``cpu_blocks`` (pinned: the job unpins them)."""
         if not rescues:
             return None
@@ -167,7 +169,7 @@ class StoreJobs:
         cpu_ids = [b.block_id for b in cpu_blocks]
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)
-        store = _Store(gpu_ids, cpu_ids, hashes, pins_device=False)
+        store = _Store(gpu_ids, cpu_ids, hashes, pins_device=False, handed_over=handed_over)
         return StoreSpec(self._sent.send(store), gpu_ids, cpu_ids)
 
     # ------------------------------------------------------- send, report
@@ -195,7 +197,8 @@ class StoreJobs:
                            job, len(cpu_blocks))
         elif not store.abandoned:
             self.cpu.publish(cpu_blocks, store.hashes, store.prompt_ends)
-            self.stats.record_store(len(cpu_blocks), rescued=not store.pins_device)
+            self.stats.record_store(len(cpu_blocks), rescued=not store.pins_device,
+                                    handed_over=store.handed_over)
             self.tiers.on_published(cpu_blocks, store.hashes)  # written through
         self._release(store)
 
