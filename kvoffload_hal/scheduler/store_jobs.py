@@ -137,9 +137,9 @@ class StoreJobs:
         for gpu_id, h in rescued:
             if h not in self._in_flight_hashes and not self.cpu.holds(h):
                 wanted.setdefault(h, gpu_id)
-        room = self.room.grant(RoomKind.RESCUES, len(wanted))
         if not wanted:
             return None, load
+        room = self.room.grant(RoomKind.RESCUES, len(wanted))
         rescues = [Rescue(g, h) for h, g in wanted.items()]
         if load is None or hands is None:
             return self._send_rescue(rescues[:room], self.cpu.allocate(room)), load
