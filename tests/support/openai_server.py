@@ -25,6 +25,9 @@ from kvoffload_hal.demo.inprocess import CONNECTOR
 
 BLOCK_SIZE = 32
 _PROCESS_PREFIX = re.compile(r"^\(\S+ pid=\d+\) ")  # vLLM's "(EngineCore pid=12) " log prefix
+# Idle connections the clients keep, at most: below vLLM's keep-alive
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so the client, not the server, closes them.
+CLIENT_KEEPALIVE_S = 2.0
 STARTUP_TIMEOUT_S = 300  # two servers starting at once on two cores take ~90 s
 
 
@@ -57,6 +60,13 @@ def server_env() -> dict[str, str]:
         VLLM_SERVER_DEV_MODE="1",  # exposes POST /reset_prefix_cache
     )
     return env
+
+
+def client_limits():
+    """The clients' connection pool: idle connections kept :data:`CLIENT_KEEPALIVE_S`."""
+    import httpx
+
+    return httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
 
 
 class Server:
@@ -92,10 +102,15 @@ class Server:
         return OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def async_client(self):
+        """An OpenAI client that never retries, and lets an idle connection go before the
+        server's keep-alive closes it (a request sent on a connection the server is
+        closing at that moment fails with ``APIConnectionError``)."""
+        import httpx
         from openai import AsyncOpenAI
 
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
+                           timeout=120, http_client=httpx.AsyncClient(limits=client_limits(),
+                                                                      timeout=120))
 
     def post(self, path: str) -> int:
         request = urllib.request.Request(f"{self.url}{path}", method="POST")

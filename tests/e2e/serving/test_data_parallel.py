@@ -58,7 +58,9 @@ def plain(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="class")
 def servers(tiny_model_dir, tmp_path_factory, plain):
     tmp = tmp_path_factory.mktemp("data-parallel-mooncake")
-    with MooncakeMaster(str(tmp / "master.log")) as master:
+    # A read lease of 5 s (the support master's 500 ms ran out mid-read in a CI run: four
+    # engines on two cores): nothing here removes an object once read.
+    with MooncakeMaster(str(tmp / "master.log"), flags=("-default_kv_lease_ttl=5000",)) as master:
         offload = start_server(tiny_model_dir, master.address, tmp / "offload.log",
                                DATA_PARALLEL, ENV, timeout_s=STORE_WAIT_S)
         try:
