@@ -12,12 +12,11 @@ blocks are read once (checked) before it is offered (scheduler/secondary/staged_
 
 import pytest
 
-from kvoffload_hal import vllm_compat
-from kvoffload_hal.capabilities import LoadFailedError
+from kvoffload_hal.capabilities import LoadFailedError, select_strategy
 from support.disk_files import flip_a_byte_of_block
 from support.serving_rig import document, serve
 
-CHECKS_FIRST = not vllm_compat.REPORTS_FAILED_RECVING
+CHECKS_FIRST = select_strategy(num_groups=2).checks_staged_hits_first()
 
 BS = 16
 PAGE = BS * 128
