@@ -20,12 +20,15 @@ Sizes: the device holds a quarter of the documents' blocks, the CPU tier 60 % to
 90 % of them: the CPU tier alone never holds them all, the two together hold them
 from 80 % on (less the device's blocks of running requests).
 
-``--modes`` takes ``device_copies`` values and two ablations of ``drop``:
-``drop-no-hand-over``, whose rescues never go into the CPU blocks of the step's own loads
-(what ``scheduler/hand_over.py`` gains), and ``drop-evicting``, that and stores that evict
-blocks only the CPU tier holds, as ``keep``'s do (what spare room for stores gains).
+``--modes`` takes ``device_copies`` values and three ablations of ``drop``:
+``drop-no-homes``, whose rescues are never published at a lookup of their own step (what
+``scheduler/rescue_homes.py`` gains); ``drop-no-hand-over``, that and rescues never into
+the CPU blocks of the step's own loads (what ``scheduler/hand_over.py`` gains); and
+``drop-evicting``, that and stores that evict blocks only the CPU tier holds, as
+``keep``'s do (what spare room for stores gains).
 
-    python benchmarks/one_cache_sweep.py [--modes keep drop-evicting drop-no-hand-over drop]
+    python benchmarks/one_cache_sweep.py [--modes keep drop-evicting drop-no-hand-over
+                                                  drop-no-homes drop]
                                          [--quick]
 """
 
@@ -51,11 +54,11 @@ WORKLOADS = ("waves", "serial", "zipf")
 DOCS_X_BLOCKS = ((12, 4), (16, 8), (12, 16))
 CPU_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
 DEVICE_FRACTION = 0.25
-# Ablations of ``drop``: no rescue into the CPU blocks of the step's loads; and that and
-# stores that evict blocks only the CPU tier holds, as with ``keep`` (without
-# ``DeviceCopies.spare_stores``).
-NO_HAND_OVER, EVICTING = "-no-hand-over", "-evicting"
-ABLATIONS = (NO_HAND_OVER, EVICTING)
+# Ablations of ``drop``, each with the ones before it: no rescue published at a lookup
+# of its step; no rescue into the CPU blocks of the step's loads; stores that evict
+# blocks only the CPU tier holds, as with ``keep`` (without ``DeviceCopies.spare_stores``).
+NO_HOMES, NO_HAND_OVER, EVICTING = "-no-homes", "-no-hand-over", "-evicting"
+ABLATIONS = (NO_HOMES, NO_HAND_OVER, EVICTING)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ def run_shape(shape: Shape, mode: str, model_dir: str, seed: int) -> dict:
                     cpu_blocks=shape.cpu_blocks, max_num_batched_tokens=2048,
                     extra_config={"device_copies": mode.split("-")[0]})
     if mode.endswith(ABLATIONS):
+        engine.offload.stores.homes = None
+    if mode.endswith(ABLATIONS[1:]):
         engine.offload.hand_overs = None
     if mode.endswith(EVICTING):  # stores evict as with keep
         engine.offload.cpu.device_copies.spare_stores = False
@@ -185,7 +190,8 @@ def write_plot(rows: list[tuple[Shape, dict[str, dict]]], modes: list[str], path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--modes", nargs="+",
-                        default=["keep", "drop-evicting", "drop-no-hand-over", "drop"])
+                        default=["keep", "drop-evicting", "drop-no-hand-over", "drop-no-homes",
+                                 "drop"])
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a few shapes, nothing written")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)

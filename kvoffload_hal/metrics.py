@@ -28,6 +28,9 @@ COUNTERS: dict[str, str] = {
     "blocks_handed_over": "Rescued KV blocks copied into the CPU blocks of the same step's "
                           "loads once those had run (device_copies=drop; also in "
                           "blocks_rescued)",
+    "blocks_rescued_for_lookups": "Rescued KV blocks a later lookup of the same step asked "
+                                  "for, published at that lookup (device_copies=drop; also "
+                                  "in blocks_rescued)",
     "blocks_loaded": "KV blocks copied CPU->device for prefix hits",
     "cpu_hit_tokens": "Prompt tokens served from the CPU tier instead of recomputed",
     "shared_load_waits": "Requests that waited for another request's load of the same CPU "
@@ -80,12 +83,14 @@ class _Recorder:
         raise NotImplementedError
 
     def record_store(self, num_blocks: int, rescued: bool = False,
-                     handed_over: bool = False) -> None:
+                     handed_over: bool = False, for_lookups: int = 0) -> None:
         self._add("blocks_stored", num_blocks)
         if rescued:
             self._add("blocks_rescued", num_blocks)
         if handed_over:
             self._add("blocks_handed_over", num_blocks)
+        if for_lookups:
+            self._add("blocks_rescued_for_lookups", for_lookups)
 
     def record_load(self, num_blocks: int, num_tokens: int) -> None:
         self._add("blocks_loaded", num_blocks)

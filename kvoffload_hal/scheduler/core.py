@@ -87,8 +87,12 @@ class OffloadScheduler:
         self.cpu_room = CpuRoom(self.cpu)
         self.tiers = TierChain.build(config.tiers, self.caps.tiers, kv_cache_config, self.cpu,
                                  self.world_size, self.stats, self.cpu_room)
+        # Rescues into the CPU blocks of the step's loads (scheduler/hand_over.py) and
+        # rescues homed at a lookup (scheduler/rescue_homes.py): not where a failed load
+        # is sent again from its CPU blocks.
+        retries = self.caps.vllm.reads_failed_loads_again()
         self.stores = StoreJobs(self.cpu, self.tiers, self.stats, self.world_size,
-                                self.cpu_room)
+                                self.cpu_room, homes=not retries)
         notice = self.caps.vllm.recovery_notice()
         if notice is not None:
             logger.info(notice)
@@ -97,11 +101,8 @@ class OffloadScheduler:
         self.staged = StagedHits(self.tiers, self.loads, self.cpu, self.stats, block_size,
                                  self.caps.vllm)
         self.tiers.bind_copies(self._copies_in_flight)
-        # Rescues into the CPU blocks of the step's loads (scheduler/hand_over.py): not
-        # where a failed load is sent again from those blocks.
-        hands_over = (self.cpu.device_copies.spare_stores
-                      and not self.caps.vllm.reads_failed_loads_again())
-        self.hand_overs = self.loads if hands_over else None
+        self.hand_overs = self.loads if self.cpu.device_copies.spare_stores and not retries \
+            else None
         self.prefetch = build_prefetcher(config, self.cpu, self.tiers, block_size, self.stats)
         self.room = LoadRoom(block_size, config.defer_loads_without_room
                              and len(kv_cache_config.kv_cache_groups) == 1)
@@ -159,6 +160,9 @@ class OffloadScheduler:
         if start >= len(request.block_hashes) or max_hit_tokens <= 0:
             return 0, False
         hit, hit_tokens = self.cpu.find_hit(request.block_hashes, start, max_hit_tokens)
+        if self.stores.homes is not None:  # blocks the device handed out this step
+            hit, hit_tokens = self.stores.homes.extend_hit(
+                request.block_hashes, start, max_hit_tokens, hit, hit_tokens)
         if hit_tokens > 0 and self.loads.wait_for_shared_load(req_id, hit):
             return None, False  # another request's load brings these blocks: ask later
         # Without a secondary tier a CPU miss is final (most waiting requests, most steps).

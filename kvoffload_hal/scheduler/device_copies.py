@@ -63,6 +63,9 @@ class DeviceCopies:
         # rescues it when it lets go of it). With a tier behind, such a block is there.
         self.spare_stores = self.rescues and not tier_behind
         self._rescued: list[tuple[int, Any]] = []  # (device block id, hash)
+        # This step's rescues not taken yet, by hash: lookups of the step may home them
+        # (scheduler/rescue_homes.py); those homed leave for their own job.
+        self.pending: dict[Any, int] = {}
         self.device: BlockPool | None = None
         self._max_candidates = 0
         # CPU blocks copied from or to a device block a request uses, in the order
@@ -88,6 +91,7 @@ class DeviceCopies:
             copy = cpu_map.get_one_block(b.block_hash)
             if copy is None:
                 self._rescued.append((b.block_id, b.block_hash))
+                self.pending.setdefault(b.block_hash, b.block_id)
             else:  # the CPU tier's block is no copy any more: it holds the only one
                 self._candidates.pop(copy.block_id, None)
 
@@ -101,7 +105,13 @@ class DeviceCopies:
         """The device blocks to copy out before this step's forward pass: (device
         block id, hash), in eviction order."""
         rescued, self._rescued = self._rescued, []
-        return rescued
+        pending, self.pending = self.pending, {}
+        return [r for r in rescued if r[1] in pending]  # not homed by a lookup
+
+    def homed(self, block_hashes: Iterable[Any]) -> None:
+        """A lookup took CPU blocks for these pending rescues: they go with it."""
+        for h in block_hashes:
+            del self.pending[h]
 
     # ------------------------------------------------------------ noting
     def note_stored(self, blocks: Sequence[KVCacheBlock]) -> None:

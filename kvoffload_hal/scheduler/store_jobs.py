@@ -22,6 +22,7 @@ from kvoffload_hal.metadata import HandOver, JobReport, LoadSpec, StoreSpec
 from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
 from kvoffload_hal.scheduler.hand_over import Rescue, plan_hand_over
 from kvoffload_hal.scheduler.jobs import JobBook
+from kvoffload_hal.scheduler.rescue_homes import RescueHomes
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
 from kvoffload_hal.scheduler.store_policy import BlockPicker
 
@@ -57,12 +58,14 @@ class _Store:
     abandoned: bool = False  # reset_cache() ran while in flight: do not publish
     pins_device: bool = True  # a rescue's device blocks belong to their new requests
     handed_over: bool = False  # a rescue into CPU blocks of its step's loads
+    published: int = 0  # the first blocks, homed by a lookup, are published already
 
 
 class StoreJobs:
     def __init__(self, cpu: CpuTier, tiers: TierChain, stats: StatsLedger,
-                 world_size: int, room: CpuRoom) -> None:
-        """``room``: the scheduler's room broker."""
+                 world_size: int, room: CpuRoom, homes: bool = False) -> None:
+        """``room``: the scheduler's room broker. ``homes``: lookups may home the step's
+        rescues (scheduler/rescue_homes.py)."""
         self.cpu = cpu
         self.tiers = tiers
         self.room = room
@@ -72,6 +75,7 @@ class StoreJobs:
         self._sent: JobBook[_Store] = JobBook(world_size)
         self._in_flight_gpu: set[int] = set()
         self._in_flight_hashes: set[Any] = set()
+        self.homes = RescueHomes(cpu, room) if homes and cpu.device_copies.rescues else None
 
     def bind(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
@@ -132,22 +136,27 @@ class StoreJobs:
         ``hands`` (the loads' book), rescues into the CPU blocks of the step's ``load``
         once each has run (:mod:`~kvoffload_hal.scheduler.hand_over`): the load comes
         back in the order its blocks run. The device blocks are not pinned: their new
-        requests hold them, and the workers copy them before writing them."""
+        requests hold them, and the workers copy them before writing them. Rescues
+        homed by the step's lookups go first, into the blocks they took."""
+        homed, homed_blocks = self.homes.take() if self.homes is not None else ([], [])
         wanted: dict[Any, int] = {}
         for gpu_id, h in rescued:
             if h not in self._in_flight_hashes and not self.cpu.holds(h):
                 wanted.setdefault(h, gpu_id)
         if not wanted:
-            return None, load
+            return self._send_rescue(homed, homed_blocks, published=len(homed)), load
         room = self.room.grant(RoomKind.RESCUES, len(wanted))
         rescues = [Rescue(g, h) for h, g in wanted.items()]
         if load is None or hands is None:
-            return self._send_rescue(rescues[:room], self.cpu.allocate(room)), load
+            return self._send_rescue(homed + rescues[:room],
+                                     homed_blocks + self.cpu.allocate(room),
+                                     published=len(homed)), load
         fresh = self.cpu.allocate(room, for_device_blocks=True)  # evicting nothing
         plan = plan_hand_over(rescues, list(zip(load.cpu_blocks, load.gpu_blocks)),
                               len(fresh))
         fresh += self.cpu.allocate(min(room, len(plan.first)) - len(fresh))
-        first = self._send_rescue(plan.first[:len(fresh)], fresh)
+        first = self._send_rescue(homed + plan.first[:len(fresh)], homed_blocks + fresh,
+                                  published=len(homed))
         hand_overs = []
         for upto, pairs in plan.rounds:
             homes = [cpu_id for _, cpu_id in pairs]
@@ -161,15 +170,17 @@ class StoreJobs:
                                     hand_overs=tuple(hand_overs))
 
     def _send_rescue(self, rescues: list[Rescue], cpu_blocks: list[KVCacheBlock],
-                     handed_over: bool = False) -> StoreSpec | None:
-        """A job copying ``rescues`` into ``cpu_blocks`` (pinned: the job unpins them)."""
+                     handed_over: bool = False, published: int = 0) -> StoreSpec | None:
+        """A job copying ``rescues`` into ``cpu_blocks`` (pinned: the job unpins them);
+        the first ``published`` of them are published already."""
         if not rescues:
             return None
         gpu_ids, hashes = [r.gpu_id for r in rescues], [r.block_hash for r in rescues]
         cpu_ids = [b.block_id for b in cpu_blocks]
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)
-        store = _Store(gpu_ids, cpu_ids, hashes, pins_device=False, handed_over=handed_over)
+        store = _Store(gpu_ids, cpu_ids, hashes, pins_device=False, handed_over=handed_over,
+                       published=published)
         return StoreSpec(self._sent.send(store), gpu_ids, cpu_ids)
 
     # ------------------------------------------------------- send, report
@@ -192,13 +203,18 @@ class StoreJobs:
             return  # every TP/PP rank must have copied its shard
         store = done.payload
         cpu_blocks = self.cpu.blocks(store.cpu_ids)
+        early = store.published
         if done.tally.failed:
             logger.warning("store job %d failed on a rank; %d blocks not offloaded",
                            job, len(cpu_blocks))
+            # Homed blocks were published at their lookup: no longer (a load of one
+            # failed on the rank whose copy failed).
+            self.cpu.drop([b.block_id for b, h in zip(cpu_blocks[:early], store.hashes)
+                           if self.cpu.cached_block(h) is b])
         elif not store.abandoned:
-            self.cpu.publish(cpu_blocks, store.hashes, store.prompt_ends)
+            self.cpu.publish(cpu_blocks[early:], store.hashes[early:], store.prompt_ends)
             self.stats.record_store(len(cpu_blocks), rescued=not store.pins_device,
-                                    handed_over=store.handed_over)
+                                    handed_over=store.handed_over, for_lookups=early)
             self.tiers.on_published(cpu_blocks, store.hashes)  # written through
         self._release(store)
 

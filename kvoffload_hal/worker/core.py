@@ -55,7 +55,13 @@ from kvoffload_hal.metrics import CopyPathWatch, OffloadStats, StatsLedger
 from kvoffload_hal.tiers.identity import kv_fingerprint, rank_in_replica
 from kvoffload_hal.tiers.registry import build_worker_half
 from kvoffload_hal.tiers.spec import WorkerTierContext
-from kvoffload_hal.worker.hand_over import LoadParts, launch_load, rescue_now, whole_load
+from kvoffload_hal.worker.hand_over import (
+    LoadParts,
+    Unfilled,
+    launch_load,
+    rescue_now,
+    whole_load,
+)
 from kvoffload_hal.worker.loads import LoadOutcomes
 from kvoffload_hal.worker.shutdown import shut_down
 from kvoffload_hal.worker.tiers import WorkerTiers
@@ -102,6 +108,7 @@ class OffloadWorker:
         self._asleep = False  # between unregister_kv_caches and restore_kv_caches
         self._unlaunched = _Unlaunched()
         self._release: set[str] = set()  # requests the scheduler held for its last writes
+        self._unfilled = Unfilled()  # blocks published at a lookup, whose rescue failed
         self.loads = LoadOutcomes(self.caps)
         self._reports = OffloadWorkerMetadata()
         self.stats = StatsLedger()
@@ -127,15 +134,7 @@ class OffloadWorker:
         self.backend, self._kv_caches = backend, kv_caches
         self._copy_path = CopyPathWatch(backend)
         if self.caps.secondary_tier:
-            ctx = WorkerTierContext(
-                self.rank, self.world_size, self.host.chunks, self.host.region_views(),
-                kv_fingerprint(self.vllm_config, tensors, self.num_gpu_blocks,
-                               rank_in_replica(self.rank, self.world_size),
-                               self.kv_cache_config),
-                vllm_compat.prefix_caching_hash_algo(self.vllm_config))
-            self.tiers = WorkerTiers([build_worker_half(spec, True, ctx)
-                                      for spec in self.config.tiers
-                                      if spec.name in self.caps.tiers])
+            self.tiers = _build_tiers(self, tensors)
         logger.info(
             "HALOffloadConnector worker: %d KV tensors -> %d block regions, %d B per block; "
             "CPU tier %d blocks (%.2f GiB in %d host allocation(s)) on the %r backend",
@@ -182,6 +181,8 @@ class OffloadWorker:
             self._unlaunched = _Unlaunched(store=spec)
             return self._fail_asleep()
         rescue_now(self.backend, spec, self._collect)
+        report = self._reports.stores.get(spec.job_id)
+        self._unfilled.rescued(spec, report is None or not report.failed)
 
     def clear_connector_metadata(self) -> None:
         self._unlaunched = _Unlaunched()
@@ -247,13 +248,16 @@ class OffloadWorker:
             self._launch_load()  # its rescues' job ids come before the store's
         if pending.store is not None:
             store, pending.store = pending.store, None
+            self._unfilled.filled(store.cpu_blocks)
             self.backend.submit(TransferJob(store.job_id, Direction.STORE,
                                             store.gpu_blocks, store.cpu_blocks))
         if pending.load is not None:
             self._launch_load()
         rounds, pending.rounds = pending.rounds, ()
         for spec in rounds:  # in job order, after the step's load
-            if spec.cpu_blocks:
+            if self._unfilled.read_by(spec):
+                self._fail_load(spec)
+            elif spec.cpu_blocks:
                 self.backend.submit(TransferJob(spec.job_id, Direction.LOAD, spec.cpu_blocks,
                                                 spec.gpu_blocks, tag=spec))
             else:
@@ -268,16 +272,19 @@ class OffloadWorker:
         if pending.store is not None:
             self.stats.record_transfer(True, 0, 0.0, False)
             self._reports.stores[pending.store.job_id] = JobReport(failed=True)
-        for hand_over in pending.load.hand_overs if pending.load is not None else ():
-            self._reports.stores[hand_over.rescue.job_id] = JobReport(failed=True)
         for spec in ((pending.load,) if pending.load is not None else ()) + pending.rounds:
-            self.stats.record_transfer(False, 0, 0.0, False)
-            self.loads.on_result(spec, spec.job_id, False, self._reports)
+            self._fail_load(spec)
         pending.store, pending.load, pending.rounds = None, None, ()
+
+    def _fail_load(self, spec: LoadSpec) -> None:
+        self.stats.record_transfer(False, 0, 0.0, False)
+        self.loads.fail_unlaunched(spec, self._reports)
 
     def _launch_load(self) -> None:
         assert self.backend is not None and self._unlaunched.load is not None
         load, self._unlaunched.load = self._unlaunched.load, None
+        if self._unfilled.read_by(load):
+            return self._fail_load(load)
         launch_load(self.backend, load, self._collect)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -331,6 +338,18 @@ class OffloadWorker:
                          "synchronous" if load.sync else "asynchronous", r.job_id, r.error,
                          len(load.gpu_blocks))
         self.loads.on_result(load, r.job_id, r.ok, self._reports)
+
+
+def _build_tiers(worker: OffloadWorker, tensors: list[torch.Tensor]) -> WorkerTiers:
+    """The worker halves of the secondary tiers this engine runs, nearest first."""
+    assert worker.host is not None
+    ctx = WorkerTierContext(
+        worker.rank, worker.world_size, worker.host.chunks, worker.host.region_views(),
+        kv_fingerprint(worker.vllm_config, tensors, worker.num_gpu_blocks,
+                       rank_in_replica(worker.rank, worker.world_size), worker.kv_cache_config),
+        vllm_compat.prefix_caching_hash_algo(worker.vllm_config))
+    return WorkerTiers([build_worker_half(spec, True, ctx) for spec in worker.config.tiers
+                        if spec.name in worker.caps.tiers])
 
 
 def _unique_tensors(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> list[torch.Tensor]:

@@ -14,7 +14,10 @@ import dataclasses
 from collections.abc import Callable
 
 from kvoffload_hal.hal import Direction, DmaCopyBackend, JobResult, TransferJob
+from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import LoadSpec, StoreSpec
+
+logger = init_logger(__name__)
 
 
 class LoadParts:
@@ -70,3 +73,29 @@ def whole_load(result: JobResult, tag: LoadSpec | LoadParts,
     if not tag.part_done(result.ok):
         return None
     return tag.load, dataclasses.replace(result, job_id=tag.load.job_id, ok=tag.ok)
+
+
+class Unfilled:
+    """CPU blocks published at a lookup (scheduler/rescue_homes.py) whose rescue failed
+    on this rank: a load that reads one fails here without copying, until a store
+    fills the block again (the scheduler drops it once the failure is reported)."""
+
+    def __init__(self) -> None:
+        self._blocks: set[int] = set()
+
+    def rescued(self, rescue: StoreSpec, ok: bool) -> None:
+        if not ok:
+            self._blocks.update(rescue.cpu_blocks)
+        else:
+            self.filled(rescue.cpu_blocks)
+
+    def filled(self, cpu_blocks: list[int]) -> None:
+        if self._blocks:
+            self._blocks.difference_update(cpu_blocks)
+
+    def read_by(self, load: LoadSpec) -> bool:
+        if not self._blocks or self._blocks.isdisjoint(load.cpu_blocks):
+            return False
+        logger.warning("load job %d reads CPU blocks whose rescue failed on this rank; "
+                       "its %d blocks will be recomputed", load.job_id, len(load.gpu_blocks))
+        return True

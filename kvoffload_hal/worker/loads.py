@@ -55,6 +55,12 @@ class LoadOutcomes:
         else:
             self.vllm.settle_load(self, load, ok, reports)
 
+    def fail_unlaunched(self, load: LoadSpec, reports: OffloadWorkerMetadata) -> None:
+        """``load`` fails without copying, and so do the rescues into its blocks."""
+        for hand_over in load.hand_overs:
+            reports.stores[hand_over.rescue.job_id] = JobReport(failed=True)
+        self.on_result(load, load.job_id, False, reports)
+
     def take(self) -> tuple[set[str], set[str]]:
         """(finished, failed) requests since the last call."""
         finished, failed = self.finished, self.failed

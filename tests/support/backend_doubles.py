@@ -92,6 +92,18 @@ class FailingStoresBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
+class SwitchedStoresBackend(CpuCopyBackend):
+    """Every store (and rescue) fails while :attr:`failing` is set."""
+
+    name = "switched-stores"
+    failing = threading.Event()
+
+    def _launch(self, direction, batch, fence):
+        if direction is Direction.STORE and self.failing.is_set():
+            raise RuntimeError("injected store failure")
+        return super()._launch(direction, batch, fence)
+
+
 class FencingCpuBackend(CpuCopyBackend):
     """Records, in order, each submission and the fence it waits for: its own
     (``job-fence``, taken at submission) or the forward pass's end (``forward-end``,
@@ -117,6 +129,6 @@ class FencingCpuBackend(CpuCopyBackend):
 
 for _cls in (SlowCpuBackend, BandwidthBoundCpuBackend, GatedCpuBackend, CountingCpuBackend,
              FailingLoadsBackend, AsyncFailingLoadsBackend, FailingStoresBackend,
-             FencingCpuBackend):
+             SwitchedStoresBackend, FencingCpuBackend):
     register_backend(_cls.name, f"{__name__}:{_cls.__name__}",
                      synchronous_compute=_cls.synchronous_compute)

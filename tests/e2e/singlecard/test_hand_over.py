@@ -4,10 +4,14 @@
 and the device's reuse of a block it holds alone is rescued to the CPU tier first. A
 burst of requests on documents the two tiers hold between them has its loads pin the
 CPU blocks those rescues would need; the rescues then go into the CPU blocks of the
-burst's own loads, each once its load has run (scheduler/hand_over.py). The burst's
-greedy outputs equal those of the engine without the connector, the counters show the
-hand-overs and the hits, and a control that runs the rescues before the loads (they
-overwrite CPU blocks the loads have not read yet) changes outputs.
+burst's own loads, each once its load has run (scheduler/hand_over.py); and a block the
+device hands out to one request of the burst and a later request of the same step asks
+for is published at that lookup and copied before the step's loads
+(scheduler/rescue_homes.py). The burst's greedy outputs equal those of the engine
+without the connector, and the counters show the hand-overs, those rescues and the
+hits. Two controls change outputs: one runs the rescues before the loads (they overwrite
+CPU blocks the loads have not read yet), the other publishes blocks at a lookup and
+never copies them.
 """
 
 import pytest
@@ -68,6 +72,7 @@ def test_a_burst_whose_rescues_go_into_its_loads_blocks_keeps_every_token(tiny_m
     assert outputs == baseline
     totals = summary["totals"]
     assert totals["blocks_handed_over"] > 0
+    assert totals["blocks_rescued_for_lookups"] > 0
     assert totals["cpu_hit_tokens"] > 0
     assert summary["pinned"] == 0 and not summary["pending"]
 
@@ -89,4 +94,23 @@ def test_canary_rescues_run_before_the_loads_change_outputs(tiny_model_dir, base
     monkeypatch.setattr(core, "launch_load", rescues_first)
     outputs, summary = _run(_offload(tiny_model_dir))
     assert summary["totals"]["blocks_handed_over"] > 0
+    assert outputs != baseline
+
+
+def test_canary_blocks_published_at_a_lookup_and_never_copied_change_outputs(
+        tiny_model_dir, baseline, monkeypatch):
+    from kvoffload_hal.scheduler.rescue_homes import RescueHomes
+
+    homed = []
+    take = RescueHomes.take
+
+    def never_copied(self):
+        rescues, blocks = take(self)
+        homed.extend(rescues)
+        self.cpu.unpin(blocks)  # published, and no rescue job writes them
+        return [], []
+
+    monkeypatch.setattr(RescueHomes, "take", never_copied)
+    outputs, _ = _run(_offload(tiny_model_dir))
+    assert homed
     assert outputs != baseline

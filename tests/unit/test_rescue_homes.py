@@ -1,0 +1,113 @@
+"""Rescues a lookup of the same step asks for (``device_copies: drop``).
+
+On vLLM's real scheduler with the model that checks every KV read
+(``engine_harness.py``): a burst whose early requests take the device blocks of
+documents that later requests of the same step ask for. Those blocks are in neither
+tier at the later lookups unless their rescues are homed and published there
+(scheduler/rescue_homes.py). Where a homed rescue fails, the loads that read its blocks
+fail on the worker and the requests are recomputed, never read wrong.
+"""
+
+import random
+
+import pytest
+
+from support import backend_doubles
+
+BS = 16
+DOC_BLOCKS = 4
+# 8 documents (32 blocks) on a device of 29 usable blocks and a CPU tier of 24, the
+# whole burst admitted in one step.
+BURST = dict(num_gpu_blocks=30, cpu_blocks=25, max_num_batched_tokens=2048)
+
+
+def _docs(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 90) for _ in range(DOC_BLOCKS * BS + 1)] for _ in range(n)]
+
+
+def _burst(engine, homes=True, before_burst=lambda: None):
+    """Each document alone, then all of them at once: the burst's hit blocks."""
+    if not homes:
+        engine.offload.stores.homes = None
+    docs = _docs(8)
+    for i, d in enumerate(docs):
+        engine.add(f"a{i}", d, max_tokens=2)
+        engine.run_until_done()
+    before_burst()
+    burst = [engine.add(f"b{i}", d, max_tokens=2) for i, d in enumerate(docs)]
+    engine.run_until_done()
+    engine.drain()
+    assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
+    return sum(engine.cached_tokens[r.request_id] // BS for r in burst)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "slow-cpu"])
+def test_a_block_the_device_hands_out_is_read_by_a_later_lookup_of_the_same_step(
+        make_engine, backend):
+    """With homes, the burst's later requests load blocks the device gave to its earlier
+    ones in the same step (counted once their rescue is reported), every read checked;
+    the same engine without homes recomputes them."""
+    engine = make_engine(backend, **BURST, extra_config={"device_copies": "drop"})
+    hits = _burst(engine)
+    homed = engine.offload.totals.data["blocks_rescued_for_lookups"]
+    assert homed > 0
+    assert engine.offload.stores.homes.num_homed == homed
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()
+    without = make_engine(backend, **BURST, extra_config={"device_copies": "drop"})
+    assert hits > _burst(without, homes=False)
+    assert "blocks_rescued_for_lookups" not in without.offload.totals.data
+    without.assert_idle()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["checked", "control-unchecked"])
+def test_a_load_of_a_block_whose_homed_rescue_failed_fails_and_is_recomputed(
+        make_engine, monkeypatch, control):
+    """Every store fails during the burst: the homed rescues' CPU blocks hold stale
+    bytes. The loads that read them fail on the worker without copying, the requests
+    are recomputed (the model checks every read), and the scheduler drops the homed
+    hashes from the CPU tier. The control lets such a load run: its read is caught."""
+    from kvoffload_hal.worker.hand_over import Unfilled
+
+    refused = []
+    read_by = Unfilled.read_by
+
+    def checked(self, load):
+        if control:
+            return False  # the load runs
+        refused.append(read_by(self, load))
+        return refused[-1]
+    monkeypatch.setattr(Unfilled, "read_by", checked)
+    failing = backend_doubles.SwitchedStoresBackend.failing
+    engine = make_engine("switched-stores", **BURST, extra_config={"device_copies": "drop"})
+    homed = []
+    take = engine.offload.stores.homes.take
+
+    def watched():
+        rescues, blocks = take()
+        homed.extend(r.block_hash for r in rescues)
+        return rescues, blocks
+    monkeypatch.setattr(engine.offload.stores.homes, "take", watched)
+    left = []  # homed hashes still published once their failed rescue was reported
+    on_report = engine.offload.stores.on_report
+
+    def reported(job, report):
+        on_report(job, report)
+        left.extend(h for h in homed if engine.offload.cpu.holds(h))
+    monkeypatch.setattr(engine.offload.stores, "on_report", reported)
+    try:
+        if control:
+            with pytest.raises(AssertionError, match="wrong KV read"):
+                _burst(engine, before_burst=failing.set)
+            return
+        _burst(engine, before_burst=failing.set)
+    finally:
+        failing.clear()
+    totals = engine.offload.totals.data
+    assert homed
+    assert "blocks_rescued_for_lookups" not in totals
+    assert any(refused)  # loads of homed blocks failed unlaunched
+    assert not left
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()
