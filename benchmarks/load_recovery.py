@@ -63,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
-    from kvoffload_hal import vllm_compat
+    from kvoffload_hal.capabilities import select_strategy
     from kvoffload_hal.demo.inprocess import set_inprocess_env
     from kvoffload_hal.demo.tiny_model import build_tiny_llama
     from kvoffload_hal.selfcheck.environment import cpu_model
@@ -74,7 +74,8 @@ def main() -> None:
     model_dir = build_tiny_llama(str(Path(tempfile.gettempdir()) / "kvoffload-bench-llama"))
     rows = [measure(model_dir, b) for b in ("cpu", "flaky-loads")]
     assert rows[0]["outputs"] == rows[1]["outputs"], "a failed load changed a token"
-    how = vllm_compat.FAILED_LOAD
+    retries = select_strategy(num_groups=2).reads_failed_loads_again()  # the model's two groups
+    how = "sent again from the CPU blocks" if retries else "recomputed (failed_recving)"
     lines = [f"## vLLM {vllm.__version__}: a failed load is {how}", "",
              f"CPU: {cpu_model()}; {NUM_DOCS} documents of {DOC_TOKENS} tokens read again "
              "after eviction, one at a time; two KV cache groups (full + sliding window).", "",

@@ -145,11 +145,6 @@ def positionally_stable(manager: Any) -> bool:
     return getattr(manager, "has_positionally_stable_blocks", True)
 
 
-# What this release does with a failed asynchronous load, in words (benchmarks' titles).
-FAILED_LOAD: str = ("recomputed (failed_recving)" if REPORTS_FAILED_RECVING
-                    else "sent again from the CPU blocks")
-
-
 # ------------------------------------------------- as vLLM's model runner calls a connector
 def connector_output(failed_recving: set[str], **fields: Any) -> KVConnectorOutput:
     """A ``KVConnectorOutput`` as this release's model runner builds it: with the failed

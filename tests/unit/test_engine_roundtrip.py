@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from kvoffload_hal import vllm_compat
 from support import backend_doubles
 
 BS = 16
@@ -93,7 +92,8 @@ def test_an_idle_engine_keeps_stepping_until_its_stores_are_confirmed(make_engin
     while not engine.finished:
         engine.step()
     assert engine.offload.has_pending_transfers()
-    if vllm_compat.STEPS_FOR_PUSH_WORK:
+    steps_for_push_work = not engine.offload.caps.vllm.holds_last_request()
+    if steps_for_push_work:
         assert engine.scheduler.has_requests()  # only because of the connector's push work
         engine.run_until_done()
     else:
@@ -103,7 +103,7 @@ def test_an_idle_engine_keeps_stepping_until_its_stores_are_confirmed(make_engin
         engine.add("next", _docs(1, 47, seed=1)[0], max_tokens=2)
         engine.run_until_done()
         engine.drain()
-    stored = 3 if vllm_compat.STEPS_FOR_PUSH_WORK else 6  # 47 + 1 computed tokens each
+    stored = 3 if steps_for_push_work else 6  # 47 + 1 computed tokens each
     assert engine.offload.totals.data["blocks_stored"] == stored
     engine.assert_idle()
 
@@ -296,7 +296,6 @@ def test_a_failed_load_of_a_hybrid_model_is_never_read(make_engine, device_prefi
     vLLM >= 0.32 recomputes the requests; older releases cannot recompute a failed
     load of such a model safely, so the engine stops after the retries, before
     any torn block is read."""
-    from kvoffload_hal import vllm_compat
     from kvoffload_hal.scheduler.load_jobs import MAX_LOAD_ATTEMPTS, LoadFailedError
 
     docs = _docs(6, 80)
@@ -304,7 +303,7 @@ def test_a_failed_load_of_a_hybrid_model_is_never_read(make_engine, device_prefi
     _hybrid_run(reference, docs, device_prefix)
     assert reference.offload.totals.data["cpu_hit_tokens"] > 0
     failing = make_engine(backend="failing-loads", extra_config={"load_mode": "async"}, **HYBRID)
-    if not vllm_compat.REPORTS_FAILED_RECVING:
+    if failing.offload.caps.vllm.reads_failed_loads_again():
         with pytest.raises(LoadFailedError, match=f"failed {MAX_LOAD_ATTEMPTS} times"):
             _hybrid_run(failing, docs, device_prefix)
         assert failing.worker.worker.totals.data["failed_jobs"] == MAX_LOAD_ATTEMPTS
@@ -319,7 +318,6 @@ def test_a_failed_load_of_a_hybrid_model_is_never_read(make_engine, device_prefi
 def test_a_hybrid_load_that_fails_once_is_recovered_on_every_vllm(make_engine):
     """A load fails once: recomputed (vLLM >= 0.32), or sent again and served
     (older releases); the same tokens as without the failure either way."""
-    from kvoffload_hal import vllm_compat
     from support import flaky_backend  # noqa: F401 (registers flaky-loads)
 
     docs = _docs(6, 80)
@@ -330,10 +328,10 @@ def test_a_hybrid_load_that_fails_once_is_recovered_on_every_vllm(make_engine):
     assert flaky.worker.worker.backend.failed_loads == 1
     assert flaky.outputs == reference.outputs
     hits, reference_hits = (e.offload.totals.data["cpu_hit_tokens"] for e in (flaky, reference))
-    if vllm_compat.REPORTS_FAILED_RECVING:
-        assert hits < reference_hits  # the failed request recomputed its prefix
-    else:
+    if flaky.offload.caps.vllm.reads_failed_loads_again():
         assert hits == reference_hits  # the retry served it
+    else:
+        assert hits < reference_hits  # the failed request recomputed its prefix
     flaky.assert_idle()
 
 

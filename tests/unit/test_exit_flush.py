@@ -11,7 +11,6 @@ import threading
 
 import pytest
 
-from kvoffload_hal import vllm_compat
 from kvoffload_hal.exit_flush import ExitFlush
 from support.clock import FakeClock
 
@@ -94,7 +93,7 @@ def test_the_request_held_for_its_last_writes_has_them_on_disk_when_the_engine_i
     other = _disk_engine(make_engine, tmp_path / "not-held", holds=False)
     other.add("r", list(range(1, DOC_BLOCKS * BS + 2)), max_tokens=1)
     other.run_until_done()
-    assert other.offload.has_pending_transfers() == (not vllm_compat.STEPS_FOR_PUSH_WORK)
+    assert other.offload.has_pending_transfers() == other.offload.caps.vllm.holds_last_request()
 
 
 def test_a_request_held_on_a_stuck_disk_is_released_at_the_bound(
