@@ -111,3 +111,24 @@ def test_a_load_of_a_block_whose_homed_rescue_failed_fails_and_is_recomputed(
     assert not left
     assert engine.model.checked_tokens > 0
     engine.assert_idle()
+
+
+def test_two_kv_cache_groups_home_the_entries_the_hit_takes(make_engine):
+    """A sliding-window group beside full attention: vLLM's own lookup, with the pending
+    rescues as stand-ins, decides which (group, block) entries a later lookup takes; those
+    are homed, every read checked, and the burst hits more than without homes. Where a
+    failed load is read again from its CPU blocks (vLLM < 0.32 with several groups),
+    nothing is homed."""
+    config = dict(sliding_window=32, num_gpu_blocks=50, cpu_blocks=40,
+                  max_num_batched_tokens=2048, extra_config={"device_copies": "drop"})
+    engine = make_engine(**config)
+    if engine.offload.caps.vllm.reads_failed_loads_again():
+        assert engine.offload.stores.homes is None
+        return
+    hits = _burst(engine)
+    assert engine.offload.totals.data["blocks_rescued_for_lookups"] > 0
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()
+    without = make_engine(**config)
+    assert hits > _burst(without, homes=False)
+    without.assert_idle()
