@@ -263,6 +263,7 @@ class OffloadWorker:
             else:
                 self.loads.on_result(spec, spec.job_id, True, self._reports)  # nothing to copy
         tiers, pending.tiers = pending.tiers, ()
+        self._unfilled.promoted(tiers)
         self.tiers.submit(tiers)
         return launched
 

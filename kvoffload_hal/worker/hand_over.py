@@ -11,11 +11,11 @@ back: failed if any part failed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvoffload_hal.hal import Direction, DmaCopyBackend, JobResult, TransferJob
 from kvoffload_hal.logger import init_logger
-from kvoffload_hal.metadata import LoadSpec, StoreSpec
+from kvoffload_hal.metadata import LoadSpec, StoreSpec, TierJobs
 
 logger = init_logger(__name__)
 
@@ -92,6 +92,12 @@ class Unfilled:
     def filled(self, cpu_blocks: list[int]) -> None:
         if self._blocks:
             self._blocks.difference_update(cpu_blocks)
+
+    def promoted(self, jobs: Sequence[TierJobs]) -> None:
+        """The step's promotions fill their CPU blocks anew."""
+        for job in jobs:
+            if job.promote is not None:
+                self.filled([cpu_id for _, cpu_id in job.promote.items])
 
     def read_by(self, load: LoadSpec) -> bool:
         if not self._blocks or self._blocks.isdisjoint(load.cpu_blocks):
