@@ -175,12 +175,12 @@ class OffloadWorker:
         self._release.update(metadata.release_requests)
 
     def _rescue(self, spec: StoreSpec) -> None:
-        """Copy out device blocks this step reuses before anything writes them (vLLM binds
-        the metadata before the step's loads and forward pass), and wait for it."""
+        """Copy out device blocks this step reuses before its loads and forward pass."""
         if self._asleep:  # fails unlaunched, as the step's other copies
             self._unlaunched = _Unlaunched(store=spec)
-            return self._fail_asleep()
-        rescue_now(self.backend, spec, self._collect)
+            self._fail_asleep()
+        else:
+            rescue_now(self.backend, spec, self._collect)
         report = self._reports.stores.get(spec.job_id)
         self._unfilled.rescued(spec, report is None or not report.failed)
 

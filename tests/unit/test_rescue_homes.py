@@ -132,3 +132,23 @@ def test_two_kv_cache_groups_home_the_entries_the_hit_takes(make_engine):
     without = make_engine(**config)
     assert hits > _burst(without, homes=False)
     without.assert_idle()
+
+
+def test_a_rescue_bound_while_the_kv_cache_is_unregistered_fails_the_loads_of_its_blocks(
+        make_engine):
+    """A rescue bound while the KV cache is unregistered fails unlaunched; a load of one
+    of its CPU blocks (published at a lookup) after the wake-up fails too, unlaunched."""
+    from kvoffload_hal.metadata import LoadSpec, OffloadMetadata, StoreSpec
+
+    engine = make_engine(extra_config={"device_copies": "drop", "load_mode": "async"})
+    worker = engine.worker.worker
+    worker.unregister_kv_caches()
+    worker.bind_connector_metadata(OffloadMetadata(rescue=StoreSpec(90, [1, 2], [3, 4])))
+    assert worker.build_connector_worker_meta().stores[90].failed
+    worker.restore_kv_caches()
+    worker.bind_connector_metadata(OffloadMetadata(load=LoadSpec(91, ("r",), [4], [5])))
+    _, finished, _ = worker.get_finished(set())
+    worker.clear_connector_metadata()
+    assert "r" in finished  # out of its wait, with its one device block to recompute
+    assert worker.get_block_ids_with_load_errors() == {5}
+    assert worker.totals.data["failed_jobs"] == 2
