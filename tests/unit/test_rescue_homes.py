@@ -152,3 +152,32 @@ def test_a_rescue_bound_while_the_kv_cache_is_unregistered_fails_the_loads_of_it
     assert "r" in finished  # out of its wait, with its one device block to recompute
     assert worker.get_block_ids_with_load_errors() == {5}
     assert worker.totals.data["failed_jobs"] == 2
+
+
+def test_a_homed_rescue_that_fails_on_one_rank_fails_the_loads_of_its_blocks_there(
+        make_engine, monkeypatch):
+    """Two ranks (pipeline stages); every store fails on the second during the burst.
+    There the loads of homed blocks fail unlaunched, while the first rank copies them;
+    the requests are recomputed (every read of the first rank checked), and the homed
+    rescues, failed on a rank, are not counted."""
+    import threading
+
+    engine = make_engine("switched-stores", peer_layers=(1,), **BURST,
+                         extra_config={"device_copies": "drop"})
+    ranks = [engine.worker.worker, engine.peers[0].worker]
+    failing = threading.Event()
+    ranks[1].backend.failing = failing  # this rank's backend only
+    refused = {0: 0, 1: 0}
+    for rank, worker in enumerate(ranks):
+        def checked(load, read_by=worker._unfilled.read_by, rank=rank):
+            refuse = read_by(load)
+            refused[rank] += refuse
+            return refuse
+        monkeypatch.setattr(worker._unfilled, "read_by", checked)
+    _burst(engine, before_burst=failing.set)
+    assert engine.offload.stores.homes.num_homed > 0
+    assert refused[0] == 0 and refused[1] > 0
+    assert ranks[0].totals.data.get("failed_jobs", 0) == 0
+    assert "blocks_rescued_for_lookups" not in engine.offload.totals.data
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()
