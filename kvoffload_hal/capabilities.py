@@ -94,6 +94,12 @@ def resolve_capabilities(kv_cache_config: KVCacheConfig, config: OffloadConfig,
                         select_strategy(num_groups), tiers=tiers)
 
 
+def sleeps_with_connectors() -> bool:
+    """Whether this vLLM offers its sleep mode with a KV connector, and asks the connector
+    ``has_pending_block_frees`` (0.33 on): a fact of vLLM's, not of the strategy."""
+    return vllm_compat.SLEEP_WITH_CONNECTORS
+
+
 def sleep_refusal(config: OffloadConfig) -> str | None:
     """None where vLLM's sleep mode is safe with ``config``, else why not (one line).
 

@@ -63,10 +63,22 @@ def test_a_missing_backend_fails_with_its_name():
         _caps(1, "nonexistent")
 
 
-def test_the_vllm_strategy_is_chosen_once_from_the_release_and_the_groups():
+# What a release tells the strategy's choice, by name (as vllm_compat detects it).
+RELEASE_FACTS = ("REPORTS_FAILED_RECVING", "STEPS_FOR_PUSH_WORK", "HAS_TRANSFER_RESULTS")
+
+
+@pytest.mark.parametrize("newer", [True, False], ids=["vllm-0.32-on", "vllm-0.23-to-0.31"])
+def test_the_vllm_strategy_is_chosen_once_from_the_release_and_the_groups(monkeypatch,
+                                                                          newer):
+    """Both releases' choice on every lane: the release's facts are set as vllm_compat
+    would detect them there."""
     from kvoffload_hal import vllm_compat
 
-    newer = vllm_compat.REPORTS_FAILED_RECVING and vllm_compat.STEPS_FOR_PUSH_WORK
+    for fact in RELEASE_FACTS:
+        monkeypatch.setattr(vllm_compat, fact, newer)
+    host_hits = object()  # what that release counts the connector's hits as
+    monkeypatch.setattr(vllm_compat, "HOST_HIT_SOURCE", host_hits if newer else None)
+    monkeypatch.setattr(vllm_compat, "block_holders_first", lambda: newer)
     one, two = _caps(1).vllm, _caps(2).vllm
     assert one.load_recovery is LoadRecovery.BLOCKS
     assert two.load_recovery is (LoadRecovery.REQUESTS if newer else LoadRecovery.RETRY)
@@ -77,7 +89,7 @@ def test_the_vllm_strategy_is_chosen_once_from_the_release_and_the_groups():
     for strategy in (one, two):
         assert strategy.holds_last_request() is (not newer)
         assert strategy.tracks_landed_loads() is (not newer)
-        assert (strategy.hit_source() is None) is (not newer)
+        assert strategy.hit_source() is (host_hits if newer else None)
 
 
 def test_failed_loads_go_back_to_the_scheduler_side_only_where_they_are_sent_again():

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from kvoffload_hal import vllm_compat
+from kvoffload_hal.capabilities import sleeps_with_connectors
 from support import backend_doubles
 
-pytestmark = pytest.mark.skipif(not vllm_compat.SLEEP_WITH_CONNECTORS,
+pytestmark = pytest.mark.skipif(not sleeps_with_connectors(),
                                 reason="vLLM < 0.33 never asks has_pending_block_frees")
 
 

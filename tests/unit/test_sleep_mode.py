@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from kvoffload_hal import vllm_compat
+from kvoffload_hal.capabilities import sleeps_with_connectors
 
-pytestmark = pytest.mark.skipif(not vllm_compat.SLEEP_WITH_CONNECTORS,
+pytestmark = pytest.mark.skipif(not sleeps_with_connectors(),
                                 reason="vLLM < 0.33 offers no sleep mode with KV connectors")
 
 
