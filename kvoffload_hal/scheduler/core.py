@@ -101,8 +101,8 @@ class OffloadScheduler:
         self.staged = StagedHits(self.tiers, self.loads, self.cpu, self.stats, block_size,
                                  self.caps.vllm)
         self.tiers.bind_copies(self._copies_in_flight)
-        self.hand_overs = self.loads if self.cpu.device_copies.spare_stores and not retries \
-            else None
+        hands_over = self.cpu.device_copies.spare_stores and not retries
+        self.hand_overs = self.loads if hands_over else None
         self.prefetch = build_prefetcher(config, self.cpu, self.tiers, block_size, self.stats)
         self.room = LoadRoom(block_size, config.defer_loads_without_room
                              and len(kv_cache_config.kv_cache_groups) == 1)

@@ -62,9 +62,9 @@ class DeviceCopies:
         # evicts no block only this tier holds (the device holds what it stores, and
         # rescues it when it lets go of it). With a tier behind, such a block is there.
         self.spare_stores = self.rescues and not tier_behind
-        self._rescued: list[tuple[int, Any]] = []  # (device block id, hash)
-        # This step's rescues not taken yet, by hash: lookups of the step may home them
-        # (scheduler/rescue_homes.py); those homed leave for their own job.
+        # This step's rescues not taken yet, hash -> device block id, in eviction order
+        # (a hash the device held twice: its first block). Lookups of the step may home
+        # them (scheduler/rescue_homes.py); those homed leave for their own job.
         self.pending: dict[Any, int] = {}
         self.device: BlockPool | None = None
         self._max_candidates = 0
@@ -90,7 +90,6 @@ class DeviceCopies:
         for b in blocks:
             copy = cpu_map.get_one_block(b.block_hash)
             if copy is None:
-                self._rescued.append((b.block_id, b.block_hash))
                 self.pending.setdefault(b.block_hash, b.block_id)
             else:  # the CPU tier's block is no copy any more: it holds the only one
                 self._candidates.pop(copy.block_id, None)
@@ -104,9 +103,8 @@ class DeviceCopies:
     def take_rescues(self) -> list[tuple[int, Any]]:
         """The device blocks to copy out before this step's forward pass: (device
         block id, hash), in eviction order."""
-        rescued, self._rescued = self._rescued, []
         pending, self.pending = self.pending, {}
-        return [r for r in rescued if r[1] in pending]  # not homed by a lookup
+        return [(gpu_id, h) for h, gpu_id in pending.items()]
 
     def homed(self, block_hashes: Iterable[Any]) -> None:
         """A lookup took CPU blocks for these pending rescues: they go with it."""

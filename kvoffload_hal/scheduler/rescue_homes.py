@@ -11,7 +11,8 @@ hit stops short, vLLM's lookup is asked again with the step's pending rescues as
 stand-ins; if that hit is longer, the rescues it takes get fresh CPU blocks now, are
 published under their hashes at once (pinned by the rescue), and go first in the step's
 rescue job. The worker copies them in ``bind_connector_metadata``, before any load, and
-fails a load that reads a block whose rescue failed on that rank (``_unfilled``).
+fails a load that reads a block whose rescue failed on that rank (``Unfilled``,
+:mod:`kvoffload_hal.worker.hand_over`).
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ def whole_load(result: JobResult, tag: LoadSpec | LoadParts,
 
 class Unfilled:
     """CPU blocks published at a lookup (scheduler/rescue_homes.py) whose rescue failed
-    on this rank: a load that reads one fails here without copying, until a store
-    fills the block again (the scheduler drops it once the failure is reported)."""
+    on this rank: a load that reads one fails here without copying, until a store, a
+    rescue or a promotion fills the block again (the scheduler drops it once the
+    failure is reported)."""
 
     def __init__(self) -> None:
         self._blocks: set[int] = set()
