@@ -152,7 +152,7 @@ def worker_output(connector: str, scheduler_output):
 
 def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int,
               warmup_steps: int, seed: int, eviction: str = DEFAULT_EVICTION,
-              prefill: bool = False) -> Point:
+              prefill: bool = False, time_eviction: bool = False) -> Point:
     from vllm.v1.outputs import ModelRunnerOutput
 
     blocks_per_request = -(-(DOC_TOKENS + QUESTION_TOKENS[1] + OUTPUT_TOKENS[1]) // BLOCK_SIZE)
@@ -164,8 +164,9 @@ def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int
         prefill_cpu_tier(scheduler, seed)
     timer = Timer(scheduler.get_kv_connector())
     # The eviction policy's own calls (inside the connector's): what a policy costs.
+    # Only when asked: their timers would be charged to the connector's calls.
     hooks = Timer(scheduler.get_kv_connector().scheduler.cpu.eviction, EVICTION_HOOKS) \
-        if connector == OURS else None
+        if connector == OURS and time_eviction else None
     trace = Trace(live, seed)
     point = Point(connector, cpu_blocks, live, steps, {}, {})
     for step in range(warmup_steps + steps):
@@ -256,7 +257,7 @@ def measure(args: argparse.Namespace, model: str) -> tuple[list[Point], list[Poi
             for _ in range(args.repeats):  # alternate the variants
                 for name, eviction in variants:
                     p = run_point(model, name, nb, live, args.steps, args.warmup_steps,
-                                  args.seed, eviction, args.prefill)
+                                  args.seed, eviction, args.prefill, args.compare_eviction)
                     p.extra["eviction"] = eviction
                     runs[name, eviction].append(p)
             for (name, eviction), ps in runs.items():
@@ -264,7 +265,7 @@ def measure(args: argparse.Namespace, model: str) -> tuple[list[Point], list[Poi
                 ps = sorted(ps, key=lambda q: q.us_per_step)
                 p = ps[0] if args.keep == "fastest" else ps[(len(ps) - 1) // 2]
                 p.extra["us_per_step_runs"] = in_order
-                if name == OURS:  # the policy's own calls: their median over the repeats
+                if name == OURS and args.compare_eviction:  # the policy's calls: median
                     p.extra["eviction_us"] = statistics.median(
                         q.extra["eviction_s"] / q.steps * 1e6 for q in ps)
                 if eviction == args.eviction:
