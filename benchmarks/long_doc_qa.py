@@ -35,7 +35,9 @@ computed tokens against the minimum (every prefix served from a cache). The
 hierarchy summary gives, for every engine, the prompt blocks any of its caches
 served against Belady's optimum of all of them together (device cache, CPU tier,
 disk tier), on the requests in the order the engine admitted them
-(``long_doc_qa_hierarchy.py``).
+(``long_doc_qa_hierarchy.py``), and against the same cache told how many more times
+each block will be read but not when; each engine's line prints the tokens it would
+compute at either one's hits.
 
 Reported per engine: wall time of the measured pass, TTFT mean/p50/p99 (from
 ``RequestOutput.metrics.first_token_latency``: vLLM fills it offline when stats
@@ -370,7 +372,7 @@ def run_all(args: argparse.Namespace, model: str, vocab: int) -> list[Result]:
             if config == OFFLOAD:
                 best.config = offload_label(tuple(choice), first)
             results.append(best)
-            print_result(n, best, config)
+            print_result(n, best, config, BLOCK_SIZE)
     return results
 
 

@@ -8,14 +8,17 @@ prefix hit can cover (vLLM always computes the last prompt token). Belady's
 optimum (MIN with bypass) of a cache as large as the device cache and the CPU tier
 together (and the disk tier, where one runs) bounds what any placement of blocks
 between the tiers could serve in the measured pass. It is an upper bound: the
-device also holds the blocks of the requests it runs.
+device also holds the blocks of the requests it runs. Beside it, the same cache
+told how many more times each block is read but not when
+(:func:`~kvoffload_hal.demo.eviction_replay.count_oracle_hits`): in a random order
+of reads, what no online placement can be expected to beat.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvoffload_hal.demo.eviction_replay import belady_hits
+from kvoffload_hal.demo.eviction_replay import belady_hits, count_oracle_hits
 
 
 class Admissions:
@@ -46,6 +49,7 @@ class Admissions:
         ids: dict[Any, int] = {}
         trace = [[ids.setdefault(h, len(ids)) for h in r] for r in self.requests]
         return {"belady": belady_hits(trace, capacity_blocks, counted_from=counted_from),
+                "counts": count_oracle_hits(trace, capacity_blocks, counted_from=counted_from),
                 "possible": sum(len(r) for r in trace[counted_from:]),
                 "capacity": capacity_blocks}
 
@@ -54,16 +58,18 @@ def hierarchy_table(results: list[Any], ns: list[int], block_size: int) -> str:
     """Per engine: prompt blocks served by any cache in the measured pass against
     Belady's optimum of all its caches together; the CPU tier's own figure beside."""
     lines = ["| docs | engine | caches (blocks) | hit blocks | Belady, all caches | "
-             "fraction | tokens computed | at Belady's hits | CPU-tier hits (Belady on its "
-             "trace) |", "|---:|:---|---:|---:|---:|---:|---:|---:|---:|"]
+             "fraction | tokens computed | at Belady's hits | at the hits of reads-left "
+             "knowledge | CPU-tier hits (Belady on its trace) |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in ns:
         for r in (r for r in results if r.num_docs == n and "hierarchy" in r.extra):
             h = r.extra["hierarchy"]
             tier = r.extra.get("trace_hits")
             at_belady = r.scheduled_tokens - (h["belady"] - h["hits"]) * block_size
+            at_counts = r.scheduled_tokens - (h["counts"] - h["hits"]) * block_size
             cpu_tier = f"{tier['tier']} ({tier['belady']})" if tier else "-"
             lines.append(
                 f"| {n} | {r.config} | {h['capacity']} | {h['hits']} | {h['belady']} | "
                 f"{h['hits'] / max(1, h['belady']):.3f} | {r.scheduled_tokens} | "
-                f"{at_belady} | {cpu_tier} |")
+                f"{at_belady} | {at_counts} | {cpu_tier} |")
     return "\n".join(lines)

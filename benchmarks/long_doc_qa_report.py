@@ -135,12 +135,17 @@ def write_plot(results: list[Result], ns: list[int], path: Path, title: str) -> 
     plt.close(fig)
 
 
-def print_result(n: int, best, config: str) -> None:
+def print_result(n: int, best, config: str, block_size: int) -> None:
     """One line for the best run of an engine: its pass, TTFT, hits, steps, runs."""
     disk_note = (f"  from disk {best.extra['blocks_from_disk']} blocks"
                  if config == DISK else "")
     if best.extra.get("trace_hits"):  # hit blocks: this tier, the optimum, replays
         disk_note += f"  trace hits {best.extra['trace_hits']}"
+    h = best.extra.get("hierarchy")
+    if h:  # tokens computed at the hits of the whole hierarchy's optimum and oracle
+        computed = {k: best.scheduled_tokens - (h[k] - h["hits"]) * block_size
+                    for k in ("belady", "counts")}
+        disk_note += f"  at Belady {computed['belady']}  at reads-left {computed['counts']}"
     print(f"  {n:3d} docs  {best.config:25s} {best.wall_s:7.2f} s  "
           f"TTFT mean {best.ttft_mean * 1e3:7.0f} ms  cpu hits {best.cpu_hit_tokens}  "
           f"steps {best.steps}  computed {best.scheduled_tokens}  "

@@ -10,6 +10,8 @@ request's first block on (prefix caching serves nothing after a miss):
   block's next use is later than its own, and that block is evicted. A block's
   next use is never earlier than its parent's (a request reads the parent
   first), so the optimum holds whole prefixes and its block hits are prefix hits.
+* :func:`count_oracle_hits`: a cache told each block's reads left, not
+  when: what knowing the access frequencies alone serves.
 * :func:`replay_tier`: the real :class:`~kvoffload_hal.scheduler.cpu_tier.CpuTier`
   (vLLM's ``BlockPool`` and coordinator, and the eviction policy), driven as the
   scheduler drives it: find the hit, pin it, load it, store the misses in
@@ -65,6 +67,42 @@ def belady_hits(trace: Trace, capacity: int, counted_from: int = 0) -> int:
                     del cached[heapq.heappop(heap)[1]]
             cached[key] = nxt
             heapq.heappush(heap, (-nxt, key))
+    return hits
+
+
+def count_oracle_hits(trace: Trace, capacity: int, counted_from: int = 0) -> int:
+    """Hit blocks, counted as :func:`belady_hits` counts them, of a cache told how
+    many more times each block will be read but not when: it evicts the block
+    with the fewest reads left (the least recent of those), and bypasses a
+    block with no more reads left than that one. What a policy that knew every
+    block's future *frequency*, the most an access pattern can tell it, would
+    serve: where the order of the reads is random, the gap from Belady's optimum
+    is the part no online policy closes."""
+    left: dict[int, int] = {}
+    for request in trace:
+        for key in request:
+            left[key] = left.get(key, 0) + 1
+    cached: dict[int, tuple[int, int]] = {}  # key -> (reads left, last access)
+    heap: list[tuple[int, int, int]] = []  # (reads left, last access, key); stale skipped
+    hits = 0
+    now = 0
+    for n, request in enumerate(trace):
+        in_prefix = n >= counted_from
+        for key in request:
+            now += 1
+            left[key] -= 1
+            if key in cached:
+                hits += in_prefix
+            else:
+                in_prefix = False
+                if len(cached) >= capacity:
+                    while heap and cached.get(heap[0][2]) != heap[0][:2]:
+                        heapq.heappop(heap)
+                    if not heap or heap[0][0] >= left[key]:
+                        continue  # no cached block has fewer reads left
+                    del cached[heapq.heappop(heap)[2]]
+            cached[key] = (left[key], now)
+            heapq.heappush(heap, (left[key], now, key))
     return hits
 
 
@@ -191,6 +229,7 @@ def recorded_trace_hits(recorded: Sequence[tuple[Any, bool]], capacity: int) -> 
     trace = [[ids.setdefault(key, len(ids))] for key, _ in recorded]
     hits = {"tier": sum(1 for _, hit in recorded if hit),
             "belady": belady_hits(trace, capacity),
+            "counts": count_oracle_hits(trace, capacity),
             "lru": replay_tier(make_replay_tier(capacity, "lru"), trace)}
     for name in ("lru", "arc"):
         cls = vllm_policy_class(name)

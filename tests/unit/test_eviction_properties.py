@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
 from kvoffload_hal import vllm_compat
-from kvoffload_hal.demo.eviction_replay import KeyHashes, belady_hits, make_replay_tier, replay_tier
+from kvoffload_hal.demo.eviction_replay import (
+    KeyHashes,
+    belady_hits,
+    count_oracle_hits,
+    make_replay_tier,
+    replay_tier,
+)
 from kvoffload_hal.eviction.adaptive import CANDIDATES, AdaptiveEviction, Shadow
 
 CANDIDATE_LRU = next(c for c in CANDIDATES if c.name == "lru")
@@ -107,6 +113,23 @@ def test_stored_blocks_are_published_under_group_zero_hashes():
     tier, hashes = _tier(4, POLICIES[1]), KeyHashes()
     replay_tier(tier, [[1, 2]], hashes)
     assert tier.holds(make_block_hash_with_group_id(hashes(1), 0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(capacity=st.integers(1, 30), trace=requests)
+def test_knowing_how_often_blocks_are_read_serves_no_more_than_belady(capacity, trace):
+    keys = [_keys(*r) for r in trace]
+    assert count_oracle_hits(keys, capacity) <= belady_hits(keys, capacity)
+
+
+def test_knowing_how_often_keeps_the_block_read_most_and_bypasses_the_rest():
+    # Block 1 is read three times, 2 and 3 once: a one-block cache keeps 1.
+    trace = [[1], [2], [1], [3], [1]]
+    assert count_oracle_hits(trace, 1) == 2
+    assert replay_tier(make_replay_tier(1, "lru"), trace) == 0
+    # Equal reads left: the cached block stays (the order, not the count, decides).
+    assert count_oracle_hits([[1], [2], [1], [2]], 1) == 1
+    assert count_oracle_hits([[1], [2], [1], [2]], 1, counted_from=3) == 0
 
 
 @settings(max_examples=60, deadline=None)
