@@ -28,14 +28,15 @@ keyword arguments                                      the arguments the factory
 ``coordinator.group_block_sizes``  0.32                :func:`group_block_sizes`
 ``KVCacheConfig                    0.32                :func:`prefix_cacheable_group_ids`
 .prefix_cacheable_group_ids``
-``BlockPool._insert_block_hash``   0.32                :func:`insert_block_hash`
+``BlockPool._insert_block_hash``   0.32                :func:`insert_block_hashes`
 ``MEDIUM_CPU``, ``BlockPool        0.32                :data:`MEDIUM_CPU`,
 .medium``, ``BlockStored                               :func:`block_stored`,
 (locality=)``                                          :func:`label_events`
 ``FreeKVCacheBlockQueue            0.32                :func:`iter_free_blocks`
 .iter_blocks_after``
-``get_kv_cache_configs``           (moved in 0.33)     :func:`get_kv_cache_configs`
-                                                       (benchmarks)
+``get_kv_cache_configs``           (0.33: moved; the   :func:`get_kv_cache_configs`
+                                   model's groups      (benchmarks)
+                                   planned first)
 ``CacheHitSource`` (hits counted   0.32                :data:`HOST_HIT_SOURCE`: the
 by source)                                             connector's hits count as host
 ``has_pending_push_work``          0.32 (never         :data:`STEPS_FOR_PUSH_WORK`:
@@ -280,15 +281,19 @@ def prefix_cacheable_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...
 
 
 # ---------------------------------------------------------------- block pool
-def insert_block_hash(pool: BlockPool, block_hash: Any, block: KVCacheBlock) -> None:
-    """Make ``block`` findable under ``block_hash`` in ``pool``'s prefix cache."""
+def insert_block_hashes(pool: BlockPool, blocks: Sequence[KVCacheBlock],
+                        block_hashes: Sequence[Any]) -> None:
+    """Make each of ``blocks`` findable under its hash in ``pool``'s prefix cache."""
     insert = getattr(pool, "_insert_block_hash", None)
     if insert is not None:
-        insert(block_hash, block, num_tokens=None)
+        for block, block_hash in zip(blocks, block_hashes):
+            insert(block_hash, block, None)
         return
     # One hash per block, as that release's own cache_full_blocks does it.
-    block.block_hash = block_hash
-    pool.cached_block_hash_to_block.insert(block_hash, block)
+    cache = pool.cached_block_hash_to_block
+    for block, block_hash in zip(blocks, block_hashes):
+        block.block_hash = block_hash
+        cache.insert(block_hash, block)
 
 
 def iter_free_blocks(queue: FreeKVCacheBlockQueue) -> Iterator[KVCacheBlock]:
@@ -352,10 +357,16 @@ def label_events(events: Iterable[Any], medium: str) -> list[Any]:
             else msgspec.structs.replace(e, medium=medium) for e in events]
 
 
-def get_kv_cache_configs(*args: Any, **kwargs: Any) -> Any:
-    """vLLM's KV cache planner (``kv_cache_utils`` up to 0.32, ``kv_cache_planning`` after)."""
+def get_kv_cache_configs(vllm_config: VllmConfig, kv_cache_specs: list[dict[str, Any]],
+                         available_memory: list[int]) -> list[KVCacheConfig]:
+    """vLLM's KV cache planner (``kv_cache_utils`` up to 0.32, ``kv_cache_planning``
+    after, where the caller also passes the model's groups, planned first)."""
     try:
-        from vllm.v1.core.kv_cache_planning import get_kv_cache_configs as plan
+        from vllm.v1.core import kv_cache_planning as planning
     except ImportError:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as plan
-    return plan(*args, **kwargs)
+        from vllm.v1.core import kv_cache_utils as planning
+    groups = getattr(planning, "get_global_kv_cache_groups", None)
+    if groups is None:
+        return planning.get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
+    return planning.get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory,
+                                         groups(vllm_config, kv_cache_specs))

@@ -219,9 +219,8 @@ class CpuTier:
         """Make each block findable under its hash; its bytes are already in place.
         ``prompt_ends``: those of ``hashes`` that end a prompt exactly
         (:meth:`Eviction.on_prompt_ends`)."""
-        for block, block_hash in zip(blocks, hashes):
-            # vLLM has no public "insert this hash" call (see vllm_compat).
-            vllm_compat.insert_block_hash(self.pool, block_hash, block)
+        # vLLM has no public "insert this hash" call (see vllm_compat).
+        vllm_compat.insert_block_hashes(self.pool, blocks, hashes)
         self.eviction.on_stored(blocks, hashes)
         if prompt_ends:
             self.eviction.on_prompt_ends(
