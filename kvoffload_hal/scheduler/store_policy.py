@@ -68,18 +68,31 @@ class BlockPicker:
     def offer(self, block: KVCacheBlock, prompt_end: bool = False) -> None:
         """Keep ``block`` if it is hashed, new to this job and ``wanted``; ``prompt_end``:
         its last token is its request's last prompt token (see :attr:`prompt_ends`)."""
-        h = block.block_hash
-        if block.is_null or h is None or h in self._hashes or h in self.passed:
-            return
-        if not self._wanted(block):
-            if self._held is not None and self._held(block):
-                self.passed.add(h)
+        self.offer_ids((block,), (0,), 0, 1, 0 if prompt_end else -1)
+
+    def offer_ids(self, blocks: Sequence[KVCacheBlock], ids: Sequence[int], start: int,
+                  stop: int, prompt_end: int = -1) -> int:
+        """:meth:`offer` ``blocks[ids[i]]`` for ``i`` from ``start`` until ``stop`` or
+        :attr:`full`, ``i == prompt_end`` ending the prompt; returns the ``i`` reached.
+        (One loop, for every block a step offers.)"""
+        kept, kept_hashes, passed = self.blocks, self._hashes, self.passed
+        wanted, held = self._wanted, self._held
+        i = start
+        while i < stop and len(kept) < self.budget:
+            block = blocks[ids[i]]
+            h = block.block_hash
+            if block.is_null or h is None or h in kept_hashes or h in passed:
+                pass
+            elif wanted(block):
+                kept.append(block)
+                kept_hashes.add(h)
+                if i == prompt_end:
+                    self.prompt_ends.add(h)
+            elif held is not None and held(block):
+                passed.add(h)
                 self.budget -= 1
-            return
-        self.blocks.append(block)
-        self._hashes.add(h)
-        if prompt_end:
-            self.prompt_ends.add(h)
+            i += 1
+        return i
 
 
 class StorePolicy(ABC):
@@ -231,14 +244,11 @@ class EagerPolicy(StorePolicy):
         for g in self.cacheable_groups:
             ids = block_ids[g]
             ready = self._num_ready(ids, g, confirmed_tokens)
-            i = cursor.num_scanned[g]
             # The block whose last token is the prompt's last one, if any.
             prompt_end, rest = divmod(prompt_len, self.group_block_sizes[g])
             prompt_end = prompt_end - 1 if rest == 0 else -1
-            while i < ready and not picker.full:
-                picker.offer(blocks[ids[i]], prompt_end=i == prompt_end)
-                i += 1
-            cursor.num_scanned[g] = i
+            cursor.num_scanned[g] = picker.offer_ids(
+                blocks, ids, cursor.num_scanned[g], ready, prompt_end)
         cursor.next_boundary = min(
             ((cursor.num_scanned[g] + 1) * self.group_block_sizes[g]
              for g in self.cacheable_groups), default=1 << 62)
