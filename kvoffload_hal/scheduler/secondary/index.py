@@ -1,17 +1,19 @@
-"""Scheduler side of a secondary tier: the index of the keys it holds.
+"""The index of the keys a secondary tier holds, and its rebuild after a restart.
 
-The scheduler decides, with a :class:`TierIndex`, which hashes a secondary tier
-holds, what to evict and what to promote; it never sees the bytes (the worker
-half, :class:`~kvoffload_hal.tiers.spec.SecondaryTier`, moves them).
+The scheduler decides with it what the tier holds, evicts and promotes; it never sees
+the bytes (the worker half, :class:`~kvoffload_hal.tiers.spec.SecondaryTier`, moves them).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.spec import BlockKey
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -23,16 +25,11 @@ class _Entry:
 
 @dataclass
 class TierIndex:
-    """Scheduler-side view of one secondary tier: which keys it holds, LRU eviction.
+    """Which keys one tier holds, evicting the least recently used ready, unpinned one.
 
-    ``reserve`` makes room (evicting least recently used, unpinned, ready
-    entries) and marks keys as being written; ``commit`` marks them readable;
-    ``pin``/``unpin`` protect keys being promoted. Evicted keys accumulate in
-    :meth:`take_evicted` for the workers to delete.
-
-    :meth:`reset` starts a new generation: an entry from an older one is never
-    readable again, and one still being read is dropped once its last reader
-    is done, so nothing written before a reset is served after it.
+    Evicted keys wait in :meth:`take_evicted` for the workers to delete. :meth:`reset`
+    starts a new generation: an older entry is never readable again, and one being read
+    is dropped after its last reader, so nothing written before a reset is served after.
     """
 
     capacity_blocks: int
@@ -94,17 +91,11 @@ class TierIndex:
 
     def ready_run(self, keys: Sequence[BlockKey]) -> int:
         """Length of the leading run of ``keys`` that is readable."""
-        n = 0
-        for key in keys:
-            if not self.is_ready(key):
-                break
-            n += 1
-        return n
+        return next((i for i, key in enumerate(keys) if not self.is_ready(key)), len(keys))
 
     def pin(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
-            entry = self._entries[key]
-            entry.readers += 1
+            self._entries[key].readers += 1
             self._entries.move_to_end(key)  # a use: most recently used
 
     def unpin(self, keys: Iterable[BlockKey]) -> None:
@@ -132,3 +123,43 @@ class TierIndex:
                 self.drop([key])
                 return True
         return False
+
+
+class IndexRebuild:
+    """Counts the ranks' reports of the blocks a restarted tier found (each rank its own
+    shard, oldest first): a key enters the index once every rank reported it, and when
+    every rank finished looking, the keys some ranks lack are deleted from the others."""
+
+    def __init__(self, index: TierIndex, world_size: int, label: str = "tier") -> None:
+        self.index = index
+        self.label = label
+        self.world_size = world_size
+        self._seen: Counter[BlockKey] = Counter()  # keys some, not yet all, ranks reported
+        self._ranks_done = 0
+        self.adopted = 0
+
+    @property
+    def pending(self) -> bool:
+        """Some rank has not finished looking (a new tier finishes in its first step)."""
+        return self._ranks_done < self.world_size
+
+    def on_found(self, keys: Sequence[BlockKey], ranks_done: int) -> None:
+        seen = self._seen
+        seen.update(keys)
+        complete = [k for k in dict.fromkeys(keys) if seen[k] >= self.world_size]
+        for key in complete:
+            del seen[key]
+        self.adopted += self.index.adopt(complete)
+        self._ranks_done += ranks_done
+        if ranks_done and not self.pending:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._seen:
+            logger.info("%s: %d blocks from before the restart are missing on some "
+                        "rank; they are deleted", self.label, len(self._seen))
+            self.index.forget_unindexed(self._seen)
+            self._seen.clear()
+        if self.adopted:
+            logger.info("%s: %d blocks from before the restart are served again",
+                        self.label, self.adopted)

@@ -27,9 +27,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
-from kvoffload_hal.scheduler.secondary.groups import GroupKeys
 from kvoffload_hal.scheduler.secondary.index import TierIndex
-from kvoffload_hal.scheduler.secondary.plan import SlotPlan, SlotPlanner
+from kvoffload_hal.scheduler.secondary.plan import GroupKeys, SlotPlan, SlotPlanner
 from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead, TierReads, starved
 from kvoffload_hal.scheduler.secondary.spill import (
     JobKind,

@@ -1,11 +1,9 @@
 """One read of a secondary tier's blocks into CPU blocks, for every caller.
 
-Runs in the scheduler process. A :class:`TierRead` is a list of entries (tier key, block
-hash) read for one *reader* (a request) into fresh CPU blocks, part by part, each part as
-large as the room broker grants the read's kind (:mod:`kvoffload_hal.scheduler.room`),
-and handed to the read's *sink* once every rank read it. The sink says what the blocks
-are for: a promotion keeps them for the request's next lookup (:mod:`.promotions`), a
-staged hit loads them in a round (:mod:`.staged`), a check lets them go (:mod:`.checks`).
+A :class:`TierRead` is a list of entries read for one *reader* (a request) into fresh CPU
+blocks, part by part, each as large as the room broker grants the read's kind, and
+handed to the read's *sink* once every rank read it: a promotion keeps the blocks for
+the request's next lookup, a staged hit loads them in a round, a check lets them go.
 docs/design.md, "One read, one room", states the rule; in short:
 
 * from its start to its end a read *owns* its keys: pinned in the tier's index, and
@@ -23,10 +21,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from kvoffload_hal.logger import init_logger, log_once
 from kvoffload_hal.scheduler.room import RoomKind
+from kvoffload_hal.scheduler.secondary.plan import Entry
 from kvoffload_hal.scheduler.secondary.spill import JobKind, TierJob
 
 if TYPE_CHECKING:
@@ -35,8 +34,7 @@ if TYPE_CHECKING:
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
     from kvoffload_hal.scheduler.room import CpuRoom
-    from kvoffload_hal.scheduler.secondary.index import TierIndex
-    from kvoffload_hal.scheduler.secondary.spill import TierNames
+    from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
     from kvoffload_hal.tiers.spec import BlockKey
 
 # The longest a read, or a request waiting to start one, goes without CPU room before
@@ -45,20 +43,8 @@ MAX_ROOM_WAIT_S = 10.0
 
 logger = init_logger(__name__)
 
-Entry = tuple["BlockKey", Any]  # (tier key, block hash with group id)
 # sink(read, part, blocks, n_ok): a part was read; ``blocks`` (pinned) are the sink's now.
 Sink = Callable[["TierRead", list[Entry], list["KVCacheBlock"], int], None]
-
-
-class ReadSource(Protocol):
-    """The tier a read reads from (a :class:`~.promotions.PromotingTier`)."""
-
-    index: TierIndex
-    names: TierNames
-    read_wait_s: float | None  # how long a part may be in flight (a shared tier's wait)
-
-    def queue(self, job: TierJob) -> None:
-        """Send ``job`` to the workers with this step's tier jobs."""
 
 
 def starved(since: float, now: float, label: str, what: str) -> bool:
@@ -74,7 +60,7 @@ def starved(since: float, now: float, label: str, what: str) -> bool:
 class TierRead:
     """One reader's entries, read in order, part by part (see the module docstring)."""
 
-    source: ReadSource
+    source: PromotingTier
     reader: str
     entries: list[Entry]
     sink: Sink
@@ -118,7 +104,7 @@ class TierReads:
         self.owners: dict[BlockKey, TierRead] = {}
 
     # ---------------------------------------------------------- ownership
-    def start(self, source: ReadSource, reader: str, entries: list[Entry], sink: Sink,
+    def start(self, source: PromotingTier, reader: str, entries: list[Entry], sink: Sink,
               kind: RoomKind, what: str = "a read") -> TierRead:
         """A read of ``entries`` from ``source`` for ``reader``; it owns their keys
         until :meth:`end`."""
@@ -189,7 +175,7 @@ class TierReads:
         return (read.part is not None and wait_s is not None
                 and self.clock() - read.since > wait_s)
 
-    def finish(self, job: TierJob, source: ReadSource) -> None:
+    def finish(self, job: TierJob, source: PromotingTier) -> None:
         """Every rank reported a part read from ``source``: failed keys leave its index,
         what read before the first of them is published, and the read hears of it."""
         source.index.drop(job.failed)
@@ -209,10 +195,7 @@ class TierReads:
         read.in_flight.remove(part)
         read.cancelled = read.cancelled or job.cancelled
         if read.ended:
-            read.source.index.unpin(k for k, _ in part)
-            for key, _ in part:
-                if self.owners.get(key) is read:
-                    del self.owners[key]
+            self._let_go(read, [k for k, _ in part])
             self.cpu.unpin(blocks)
             return
         if read.part is not part:  # given up (late): the blocks were never the sink's

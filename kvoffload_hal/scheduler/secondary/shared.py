@@ -1,37 +1,14 @@
-"""Scheduler side of a tier shared by every instance (``shared_across_instances``:
-the Mooncake Store). Runs in the scheduler process.
+"""Scheduler side of a tier every instance shares (``shared_across_instances``: Mooncake).
 
-A local tier's :class:`~kvoffload_hal.scheduler.secondary.index.TierIndex` knows everything
-the tier holds: only this instance writes it. A shared store also holds what
-other instances wrote, and loses objects the master evicts. So:
-
-* :class:`SharedTierIndex` is what this instance *knows* the store holds: its
-  own writes, and keys an existence query found. Forgetting an entry deletes
-  nothing (other instances may read it; a store that does not evict by itself,
-  a shared disk, deletes what this instance wrote: ``deletes_evicted``); a stale
-  entry only makes one read fail, and that block is recomputed.
-* :class:`SharedTier` asks the store when a lookup misses the CPU tier
-  and the index knows nothing of the next blocks: it queues an **existence
-  query** (a probe job, run by the workers, which hold the store clients; the
-  scheduler never touches the network) and tells the request to ask again.
-  When every rank answered, the keys present on all ranks are learned (every
-  group's, for a model with several) and promoted as for any tier.
-* Every wait is bounded: a request whose probe or promotion is older than
-  the tier's wait (``SchedulerHalf.wait_s``: ``mooncake_timeout_s``) stops waiting
-  and recomputes (counted in ``<name>_timeouts``). A promotion it stopped waiting for keeps its CPU
-  blocks referenced until the workers report it, so a late read never writes
-  into a reused block.
-* A **circuit breaker** (:mod:`~kvoffload_hal.scheduler.secondary.breaker`) turns those
-  outcomes into one decision: a timeout, or three jobs in a row that failed
-  as a whole (every key), open it. While it is open, lookups answer a miss at
-  once (no query, no wait; requests already waiting stop waiting) and spills
-  are not sent; after a backoff window (1 s, doubling to 60 s) one request (or
-  the spills, when they come first) is let through as the probe, and any
-  answer in time closes it. A job in flight
-  past the wait with no request waiting (a spill) opens it too.
-  While it is not closed, jobs in flight do not count as pending work: an
-  idle engine does not step for jobs stuck on a frozen store; their reports
-  are collected at its next step.
+A shared store also holds what other instances wrote, and loses objects its master
+evicts, so :class:`SharedTierIndex` is only what this instance *knows* it holds: its own
+writes and the keys an existence query found. Forgetting an entry deletes nothing
+(``deletes_evicted`` aside); a stale entry makes one read fail, and that block is
+recomputed. :class:`SharedTier` asks the store (a probe job, run by the workers) when
+a lookup misses and the index knows nothing of the next blocks, bounds every wait by
+the tier's ``wait_s``, and skips a store that stopped answering (:class:`CircuitBreaker`).
+While the breaker is not closed, jobs in flight are no pending work: an idle engine does
+not step for jobs stuck on a frozen store.
 """
 
 from __future__ import annotations
@@ -39,12 +16,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import RankTally
 from kvoffload_hal.scheduler.room import RoomKind
-from kvoffload_hal.scheduler.secondary.breaker import BreakerState, CircuitBreaker
 from kvoffload_hal.scheduler.secondary.index import TierIndex, _Entry
 from kvoffload_hal.scheduler.secondary.promotions import PromotingTier, TierStep
 from kvoffload_hal.scheduler.secondary.spill import JobKind, TierNames
@@ -57,6 +35,113 @@ if TYPE_CHECKING:
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.scheduler.secondary.reads import TierReads
+
+logger = init_logger(__name__)
+
+BASE_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 60.0
+# Errors (a failed write or read reported by every key of a job) in a row that
+# open the breaker: one failed job may be a single bad value, three are not.
+MAX_ERRORS = 3
+
+
+class BreakerState(str, Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+
+
+@dataclass(eq=False)
+class CircuitBreaker:
+    """Skips a tier that stopped answering, then probes it with one caller.
+
+    **Closed**: the tier is used; a timeout opens the breaker at once, errors after
+    ``max_errors`` in a row, and any success resets the count. **Open**: the tier is
+    skipped (lookups miss at once, spills are not sent) for a backoff window, doubled at
+    each reopening up to ``max_backoff_s``. **Half-open**: the window passed; one caller
+    (the *probe*) goes through: its success closes the breaker, its failure or no answer
+    within ``probe_timeout_s`` reopens it. Each transition is logged once and reported to
+    ``on_transition(old, new)``.
+    """
+
+    label: str  # how log lines name the tier
+    probe_timeout_s: float
+    on_transition: Callable[[BreakerState, BreakerState], None] | None = None
+    base_backoff_s: float = BASE_BACKOFF_S
+    max_backoff_s: float = MAX_BACKOFF_S
+    max_errors: int = MAX_ERRORS
+    clock: Callable[[], float] = time.monotonic
+    state: BreakerState = field(default=BreakerState.CLOSED, init=False)
+    backoff_s: float = field(default=0.0, init=False)  # the current (last) open window
+    _since: float = field(default=0.0, init=False)  # when the current state began
+    _errors: int = field(default=0, init=False)
+    _probe: str | None = field(default=None, init=False)  # let through while half-open
+
+    def __post_init__(self) -> None:
+        self._since = self.clock()
+
+    def allow(self, caller: str) -> bool:
+        """Whether ``caller`` may use the tier now; an open breaker whose window
+        passed lets this caller through as its probe (half-open)."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.HALF_OPEN and self._probe_expired():
+            self._open(f"the probe had no answer within {self.probe_timeout_s:g} s")
+        if self.state is BreakerState.OPEN:
+            if not self._window_over():
+                return False
+            self._move(BreakerState.HALF_OPEN, "probing with one request")
+        if self._probe is None:
+            self._probe, self._since = caller, self.clock()
+        return caller == self._probe
+
+    def cancel(self, caller: str) -> None:
+        """``caller`` was let through but sent nothing: the next caller probes instead."""
+        if self.state is BreakerState.HALF_OPEN and self._probe == caller:
+            self._probe = None
+
+    def success(self) -> None:
+        """The tier answered in time."""
+        self._errors = 0
+        if self.state is not BreakerState.CLOSED:
+            self.backoff_s = 0.0
+            self._probe = None
+            self._move(BreakerState.CLOSED, "the tier answered")
+
+    def timeout(self) -> None:
+        """A request stopped waiting for the tier: opens the breaker now."""
+        if self.state is not BreakerState.OPEN:
+            self._open("a request waited its full timeout")
+
+    def error(self) -> None:
+        """A job failed as a whole (every key)."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._open("the probe failed")
+        elif self.state is BreakerState.CLOSED:
+            self._errors += 1
+            if self._errors >= self.max_errors:
+                self._open(f"{self._errors} failed jobs in a row")
+
+    def _window_over(self) -> bool:
+        return self.clock() - self._since >= self.backoff_s
+
+    def _probe_expired(self) -> bool:
+        return self.clock() - self._since > self.probe_timeout_s
+
+    def _open(self, why: str) -> None:
+        self.backoff_s = (self.base_backoff_s if self.backoff_s == 0
+                          else min(self.backoff_s * 2, self.max_backoff_s))
+        self._errors = 0
+        self._probe = None
+        self._move(BreakerState.OPEN, f"{why}; skipped for {self.backoff_s:g} s")
+
+    def _move(self, new: BreakerState, why: str) -> None:
+        old, self.state, self._since = self.state, new, self.clock()
+        log = logger.warning if new is BreakerState.OPEN else logger.info
+        log("%s: circuit breaker %s -> %s (%s)", self.label, old.value, new.value, why)
+        if self.on_transition is not None:
+            self.on_transition(old, new)
+
 
 @dataclass
 class SharedTierIndex(TierIndex):

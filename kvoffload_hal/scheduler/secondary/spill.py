@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import JobBook, RankTally
 from kvoffload_hal.scheduler.parts import RequestPart
-from kvoffload_hal.scheduler.secondary.index import TierIndex
-from kvoffload_hal.scheduler.secondary.rebuild import IndexRebuild
+from kvoffload_hal.scheduler.secondary.index import IndexRebuild, TierIndex
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:

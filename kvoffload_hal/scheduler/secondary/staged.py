@@ -53,14 +53,14 @@ from kvoffload_hal.metadata import LoadSpec
 from kvoffload_hal.scheduler.load_jobs import RoundJob
 from kvoffload_hal.scheduler.parts import RequestPart
 from kvoffload_hal.scheduler.room import RoomKind
-from kvoffload_hal.scheduler.secondary.groups import GroupKeys
-from kvoffload_hal.scheduler.secondary.staged_check import StagedChecks
-from kvoffload_hal.scheduler.secondary.staged_plan import (
+from kvoffload_hal.scheduler.secondary.plan import (
+    GroupKeys,
     Round,
     Slot,
     Staged,
     plan_chain_hit,
 )
+from kvoffload_hal.scheduler.secondary.staged_check import StagedChecks
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -314,8 +314,9 @@ class StagedHits(RequestPart):
         if self.checks.enabled:
             return  # this vLLM cannot recompute the rest: served whole (its keys pinned)
         for staged in self._active.values():
-            if not staged.stops():
-                staged.fail_rest()
+            if not staged.stops():  # read nothing more: the hit ends before the next slot
+                staged.read.stop(staged.read.next)
+                staged.note_stop()
 
     def has_pending(self) -> bool:
         return bool(self._pending or self._active or self._landed or self._queued

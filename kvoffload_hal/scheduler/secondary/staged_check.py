@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from kvoffload_hal.scheduler.cpu_tier import CpuTier
+    from kvoffload_hal.scheduler.secondary.plan import Round, Staged
     from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead, TierReads
-    from kvoffload_hal.scheduler.secondary.staged_plan import Round, Staged
     from kvoffload_hal.tiers.spec import BlockKey
 
 

@@ -66,7 +66,7 @@ SHARED_WAIT_S = 10.0
 class DiskTierSpec(TierSpec):
     name = "disk"
     label = "disk tier"
-    one_group_only = False  # one entry per (group, block): scheduler/secondary/groups.py
+    one_group_only = False  # one entry per (group, block): scheduler/secondary/plan.py
     switch_key = "disk_path"
     keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct", "disk_retention",
             "disk_shared")

@@ -30,7 +30,7 @@ KNOWN_KEYS = 1 << 16
 class MooncakeTierSpec(TierSpec):
     name = "mooncake"
     label = "Mooncake tier"
-    one_group_only = False  # one entry per (group, block): scheduler/secondary/groups.py
+    one_group_only = False  # one entry per (group, block): scheduler/secondary/plan.py
     switch_key = "mooncake_master"
     keys = MOONCAKE_KEYS
     shared_across_instances = True

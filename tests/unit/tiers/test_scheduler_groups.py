@@ -6,8 +6,7 @@ hit's end), on the CPU tier's real coordinator."""
 import pytest
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from kvoffload_hal.scheduler.secondary.groups import GroupKeys
-from kvoffload_hal.scheduler.secondary.plan import SlotPlanner
+from kvoffload_hal.scheduler.secondary.plan import GroupKeys, SlotPlanner
 
 BS = 16
 FULL, SLIDING = 0, 1
