@@ -1,23 +1,9 @@
 """The chain of secondary tiers behind the CPU tier, nearest first: what the scheduler calls.
 
-Runs in the scheduler process. Each tier of the chain has its own index, jobs and (for
-a tier shared across instances) breaker, a :class:`~.promotions.PromotingTier`; the
-chain shares one :class:`~.reads.TierReads` (the one owner map of keys being read, and
-the one deadline) and one room broker among them. docs/design.md ("A chain of tiers")
-states the rule:
-
-* **Spills are written through the chain**: a block published in the CPU tier is
-  queued for every tier that has room for it, each writing on its own.
-* **A hit is read from the nearest tier that holds it**: a lookup asks the tiers in
-  order, and the first that holds the blocks after the CPU hit promotes (or probes)
-  them; once they are in the CPU tier, the next lookup asks again for the rest, so a
-  block gone from the disk tier comes back from the next tier behind it.
-
-With no tier, every call does nothing. :meth:`TierChain.build` turns the tiers' specs
-(:class:`~kvoffload_hal.tiers.spec.SchedulerHalf`) into machinery: a
-:class:`~.promotions.PromotingTier` over a :class:`~.index.TierIndex` for a tier only this
-instance writes, a :class:`~.shared.SharedTier` (existence queries, bounded waits, the
-circuit breaker) for one ``shared_across_instances``.
+Each tier has its own index, jobs and (shared) breaker; they share one
+:class:`~.reads.TierReads` and one room broker. docs/design.md ("A chain of tiers")
+states the rule: a block published in the CPU tier is written to every tier with room
+for it, and a hit is read from the nearest tier that holds it.
 """
 
 from __future__ import annotations

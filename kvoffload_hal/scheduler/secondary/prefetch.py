@@ -1,37 +1,17 @@
 """Lookahead for waiting requests: secondary-tier blocks promoted before admission.
 
-A request waiting behind a full batch is known several steps before vLLM's
-scheduler looks it up (``get_num_new_matched_tokens``): vLLM stops looking at its
-waiting queue while every running slot is taken. Without a lookahead, a disk or
-Mooncake hit is promoted into the CPU tier only at that lookup, and the request
-waits again for the promotion.
+vLLM stops looking at its waiting queue while every running slot is taken, so a tier
+hit would be promoted only at the request's lookup, and the request wait again. Each
+step, :class:`Prefetcher` looks at the oldest waiting requests not yet looked up (up to
+``prefetch_requests``) and starts, for the first one not seen before, the promotion its
+own lookup would: the blocks stay pinned for it until vLLM looks it up, and so does
+the CPU hit they extend. One request a step, the oldest first: the promotions of one
+step are one job, published when its last block is read, so the next request's blocks
+arrive first instead of all of them together.
 
-Each step, :class:`Prefetcher` takes the oldest requests added and not yet looked
-up (in arrival order, status ``WAITING``, nothing computed), up to
-``prefetch_requests`` of them, and for each one not seen before calls
-:meth:`~kvoffload_hal.scheduler.secondary.promotions.PromotingTier.lookup` as the
-request's own lookup would from its first block: the promotion is queued under
-the request's id, and its blocks stay pinned for the request until vLLM looks it
-up, which then finds them in the CPU tier (or waits for the promotion in flight
-instead of starting another). The CPU hit a promotion extends is pinned too,
-so that nothing evicts it before the request runs.
-
-One request is prefetched per step, the oldest first: the promotions queued in
-one step are one job whose blocks are published when the last one is read, and
-the tier reads jobs in the order they were sent. Queued one a step, the next
-request's blocks are in the CPU tier first; queued together, it would wait for
-all of them, miss its admission and send vLLM's scheduler down the rest of the
-waiting queue (each lookup that answers "ask again later" lets it look at the
-next request).
-
-Budget: what prefetched requests hold (blocks promoting, promoted, and the hits
-they extend) never exceeds ``min(prefetch_blocks, prefetch_cpu_share x CPU
-blocks)``; a request is prefetched only within what is left. Everything it holds
-is released at its lookup or when it finishes (an abort); a promoted block that
-is not used stays ordinary CPU-tier content. Pinned blocks are never evicted, so
-a prefetch never takes blocks of running requests' copies or of earlier
-prefetches. Without a secondary tier, or with ``prefetch_requests: 0``,
-:class:`NullPrefetcher` does nothing.
+Budget: what prefetched requests hold (blocks promoting, promoted, and the hits they
+extend) stays within ``min(prefetch_blocks, prefetch_cpu_share x CPU blocks)``; all of
+it is released at the request's lookup or when it finishes.
 """
 
 from __future__ import annotations
@@ -101,18 +81,14 @@ class Prefetcher(NullPrefetcher):
         self._waiting[request.request_id] = request
 
     def forget(self, req_id: str) -> None:
-        if self._waiting.pop(req_id, None) is None:
-            return
-        hit = self._seen.pop(req_id, None)
-        if hit:
-            self.cpu.unpin(hit)
+        if self._waiting.pop(req_id, None) is not None:
+            self.cpu.unpin(self._seen.pop(req_id, ()))
 
     def reset(self) -> None:
         """vLLM's prefix cache was reset: the CPU hits held for waiting requests are let
         go (their hashes are dropped); a request still waiting is looked at again."""
         for hit in self._seen.values():
-            if hit:
-                self.cpu.unpin(hit)
+            self.cpu.unpin(hit)
         self._seen.clear()
 
     def num_held_blocks(self) -> int:
@@ -131,9 +107,8 @@ class Prefetcher(NullPrefetcher):
             if request.status != RequestStatus.WAITING or request.num_computed_tokens:
                 continue  # not admissible yet (remote KV, grammar), or already scheduled
             ahead += 1
-            if req_id not in self._seen:
-                if self._prefetch(request, left):
-                    return  # one request a step (see the module docstring)
+            if req_id not in self._seen and self._prefetch(request, left):
+                return  # one request a step (see the module docstring)
 
     def _prefetch(self, request: Request, budget: int) -> int:
         """Queue the promotion of the request's tier blocks after its CPU hit, within

@@ -1,23 +1,11 @@
-"""Scheduler side of a secondary tier: promotions at a lookup.
+"""Promotions at a lookup: a tier's blocks read into the CPU tier for one request.
 
-Spills (write-through) and the jobs' transport are
-:class:`~kvoffload_hal.scheduler.secondary.spill.SpillingTier`'s, and every read of the
-tier's blocks is a :class:`~kvoffload_hal.scheduler.secondary.reads.TierRead`;
-:class:`PromotingTier` adds what a lookup does with them:
-
-* **Promotion.** When a lookup finds the CPU hit continued by blocks the tier
-  holds, a read of them (as many as the room broker grants promotions) is started for
-  the request, which is told to ask again later (``None``) so the engine step does not
-  wait. Once every rank read them, they are published in the CPU prefix cache and
-  kept referenced for that request; its next lookup finds a longer CPU hit and loads
-  it to the device as usual. A model with several KV cache groups promotes every
-  group's entries of the run (:mod:`~kvoffload_hal.scheduler.secondary.groups`). When no
-  CPU block is free because copies in flight hold them (spills, the CPU tier's loads
-  and stores), the request waits for those copies instead of recomputing: its answer
-  would otherwise depend on whether a disk write had been collected yet.
-* **Integrity.** A key that failed to read (missing, torn, corrupted) leaves the index
-  (:meth:`~kvoffload_hal.scheduler.secondary.reads.TierReads.finish`); blocks after it in
-  the request are not published, and the request stops promoting (it recomputes instead).
+When a lookup finds the CPU hit continued by blocks the tier holds, a read of them (as
+many as the room broker grants) starts and the request asks again later; once every rank
+read them they are published in the CPU prefix cache and kept for the request's next
+lookup. When no CPU block is free because copies in flight hold them, the request waits
+for those copies instead of recomputing. A key that failed to read ends the request's
+promotions there (it recomputes the rest).
 """
 
 from __future__ import annotations
@@ -96,13 +84,8 @@ class PromotingTier(SpillingTier):
     # ----------------------------------------------------------- promotion
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
                kind: RoomKind = RoomKind.PROMOTIONS, max_blocks: int | None = None) -> bool:
-        """Start or await a promotion of blocks ``[first_block, end_block)``.
-
-        Blocks promoted for this request were pinned until now; the CPU lookup
-        found the ones still wanted. The hit stays pinned while room is made, so
-        a promotion never evicts the blocks it extends (a run longer than the room
-        is staged instead, scheduler/secondary/staged.py, where that can be done).
-        """
+        """Start or await a promotion of blocks ``[first_block, end_block)``; the hit
+        stays pinned while room is made, so a promotion never evicts what it extends."""
         self.cpu.pin_hit(hit)
         try:
             self.release_promoted(request.request_id)
@@ -167,9 +150,7 @@ class PromotingTier(SpillingTier):
     def _waits_for_room(self, req_id: str, plan: SlotPlan, end_block: int,
                         own: list[KVCacheBlock], hashes: list[Any]) -> bool:
         """Whether only CPU room is missing, held by copies in flight: the request asks
-        again when they end, its ``own`` blocks (hit and run) kept until then. As a miss
-        it would recompute its whole prompt whenever the last spills had not been
-        collected yet (an offline engine stops stepping after its last request)."""
+        again when they end, its ``own`` blocks (hit and run) kept until then."""
         if not self.planner.entries(plan, hashes, end_block):
             return False  # nothing to promote, whatever the room
         # Loads and stores hold fresh blocks or other requests' hits; a spill of the

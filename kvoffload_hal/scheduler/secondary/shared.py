@@ -85,10 +85,11 @@ class CircuitBreaker:
         passed lets this caller through as its probe (half-open)."""
         if self.state is BreakerState.CLOSED:
             return True
-        if self.state is BreakerState.HALF_OPEN and self._probe_expired():
+        now = self.clock()
+        if self.state is BreakerState.HALF_OPEN and now - self._since > self.probe_timeout_s:
             self._open(f"the probe had no answer within {self.probe_timeout_s:g} s")
         if self.state is BreakerState.OPEN:
-            if not self._window_over():
+            if now - self._since < self.backoff_s:
                 return False
             self._move(BreakerState.HALF_OPEN, "probing with one request")
         if self._probe is None:
@@ -122,12 +123,6 @@ class CircuitBreaker:
             if self._errors >= self.max_errors:
                 self._open(f"{self._errors} failed jobs in a row")
 
-    def _window_over(self) -> bool:
-        return self.clock() - self._since >= self.backoff_s
-
-    def _probe_expired(self) -> bool:
-        return self.clock() - self._since > self.probe_timeout_s
-
     def _open(self, why: str) -> None:
         self.backoff_s = (self.base_backoff_s if self.backoff_s == 0
                           else min(self.backoff_s * 2, self.max_backoff_s))
@@ -145,12 +140,9 @@ class CircuitBreaker:
 
 @dataclass
 class SharedTierIndex(TierIndex):
-    """What this instance knows a shared store holds; see the module docstring.
-
-    ``deletes_evicted``: the store does not evict by itself (a shared disk), so the
-    entries forgotten here go to the workers, which delete only files this
-    instance wrote (a key another instance wrote has no file of this one's).
-    """
+    """What this instance knows a shared store holds. ``deletes_evicted``: the store
+    does not evict by itself (a shared disk): what is forgotten here goes to the workers,
+    which delete only the files this instance wrote."""
 
     deletes_evicted: bool = False
 
@@ -174,7 +166,6 @@ class SharedTierIndex(TierIndex):
 
 @dataclass
 class _Probe:
-    req_id: str
     keys: list[BlockKey]
     sent_at: float
     job_id: int | None = None  # None until sent
@@ -197,7 +188,6 @@ class SharedTier(PromotingTier):
                          names=names, reads=reads)
         self.timeout_s = timeout_s
         self.read_wait_s = timeout_s  # every read's part: promotions, staged, checks
-        self._clock = clock
         self._probes: dict[str, _Probe] = {}
         self._waiting_since: dict[str, float] = {}  # on another request's promotion
         self._sent_at: dict[int, float] = {}  # jobs in flight not yet found overdue
@@ -215,10 +205,8 @@ class SharedTier(PromotingTier):
             self.stats.record_breaker(self.names.name, closed=1)
 
     def _skip(self, req_id: str) -> bool:
-        """The breaker is open: a miss at once, and stop waiting for what was sent. A
-        request that was waiting for the store when the breaker opened (a job found
-        overdue first) stopped waiting for it: a timeout, as if its own lookup had
-        found it overdue; the others are skipped."""
+        """The breaker is open: a miss at once, and stop waiting for what was sent (a
+        timeout for a request that was waiting for the store, a skip for the others)."""
         probe = self._probes.pop(req_id, None)
         waited = (probe is not None and not probe.answered) or req_id in self._promoting
         self._stop_promoting(req_id)
@@ -232,8 +220,7 @@ class SharedTier(PromotingTier):
 
     def _note_overdue(self) -> None:
         """A job in flight past the timeout opens a closed breaker, once per job (a
-        half-open one times its probe out itself). Once it opens, the jobs still in
-        flight are the same frozen store's: the breaker forgets them (``_on_breaker``)."""
+        half-open one times its probe out itself)."""
         if self.breaker.state is not BreakerState.CLOSED:
             return
         now = self._clock()
@@ -247,8 +234,7 @@ class SharedTier(PromotingTier):
                     return
 
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
-        if not self.breaker.allow(SPILLS):
-            # Not written: recomputed if wanted.
+        if not self.breaker.allow(SPILLS):  # not written: recomputed if wanted
             self.stats.record_breaker(self.names.name, skipped=1)
             return
         queued = len(self._queued)
@@ -283,8 +269,6 @@ class SharedTier(PromotingTier):
                 return True
             self._stop_promoting(req_id)  # completes (and is published) without it
             return self._give_up(req_id)
-        if req_id in self._no_promotion:
-            return False
         probe = self._probes.get(req_id)
         if probe is not None and not probe.answered:
             if now - probe.sent_at <= self.timeout_s:
@@ -293,7 +277,7 @@ class SharedTier(PromotingTier):
             return self._give_up(req_id)
         keys = self.groups.keys(request.block_hashes[first_block:end_block])
         if probe is None and keys and not self.index.ready_run(keys):
-            self._probes[req_id] = _Probe(req_id, keys, now)
+            self._probes[req_id] = _Probe(keys, now)
             return True  # ask the store (once per request); the request asks again later
         if super()._promote(request, hit, first_block, end_block, kind, max_blocks):
             if (req_id not in self._promoting

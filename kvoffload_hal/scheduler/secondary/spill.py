@@ -1,13 +1,9 @@
-"""Scheduler side of a secondary tier: its jobs to the workers, and write-through spills.
+"""A secondary tier's jobs to the workers, and its write-through spills.
 
-:class:`SpillingTier` sends a step's tier jobs (spills, promotions, and a subclass's own
-kinds) as one job per kind, counts the ranks' reports, and finishes spills: when a
-device->CPU store is published, its blocks are also queued for the tier (those the tier
-has room for). The CPU block stays referenced until every rank wrote it, so it cannot be
-reused mid-write. Write-through was chosen over write-on-evict because vLLM's BlockPool
+A block published in the CPU tier is queued for the tier too (when the tier has room),
+and stays referenced until every rank wrote it. Write-through, because vLLM's BlockPool
 evicts inside ``get_new_blocks`` without a hook: by the time a block is known to be
-evicted its bytes are already being overwritten. Promotions are
-:class:`~kvoffload_hal.scheduler.secondary.promotions.PromotingTier`'s.
+evicted, its bytes are being overwritten.
 """
 
 from __future__ import annotations

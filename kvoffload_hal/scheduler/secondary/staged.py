@@ -1,44 +1,19 @@
-"""Tier hits longer than the CPU tier has room for, served in full by staging them through it.
+"""Tier hits longer than the CPU tier has room for, served whole by staging them through it.
 
-A promotion brings a tier's blocks into free CPU blocks, and the request then loads its
-CPU hit to the device (:mod:`.promotions`); a run longer than the free CPU blocks
-would lose its tail that way. Such a hit is *staged* instead:
+A promotion would lose such a run's tail, so the lookup answers the whole hit as an
+asynchronous load instead (its slots are the one planner's, :mod:`.plan`), and round by
+round the next slots the tier holds are read into the CPU blocks free at that step,
+loaded into their device blocks and released; slots the CPU tier holds go in the first
+round. The last round is the request's load: the workers report the request in
+``finished_recving`` once every round of it landed.
 
-1. The lookup answers the whole hit as an asynchronous load: vLLM allocates device
-   blocks for all of it, and the request waits. Which blocks the hit needs is vLLM's
-   own lookup run over the CPU tier and the tier together (the one slot planner,
-   :mod:`.plan`, that promotions use too): every block of
-   a full-attention group, the last window of a sliding-window group, the state at the
-   hit's end of a Mamba group. Each is a *slot* (position, group); with one group, a
-   slot is a position.
-2. Round by round, the next slots the tier holds are promoted into the CPU blocks free
-   at that step, loaded into their device blocks, and released (they stay in the CPU
-   tier as ordinary, evictable content); then the next ones. Slots the CPU tier holds
-   go in the first round.
-3. The last round is the request's load: the workers report the request in
-   ``finished_recving`` once it and every earlier round of it have landed.
-
-Nothing of the hit is evicted while it is served: its tier keys are pinned in the index
-from the lookup on, its CPU blocks until their round landed on every rank, its device
-blocks until the last round did. Staged requests never wait for one another (a round
-takes free CPU blocks and gives them back once loaded), and another request on the same
-blocks waits for the staged one and then takes the device prefix-cache hit. Slots go
-position by position, so a block that fails to read or to copy ends the hit there:
-nothing after it is promoted or loaded, and the rest is reported failed (per block with
-one group, and vLLM recomputes from it; per request with several, and vLLM recomputes
-the request); so is the rest of a hit whose read meets its deadline (no CPU room for
-:data:`~.reads.MAX_ROOM_WAIT_S`, a part past the tier's wait). The request is then
-offered no hit again.
-
-Staging serves any model on any tier. Where vLLM cannot be told that a load of several
-groups failed (vLLM < 0.32: ``caps.vllm.checks_staged_hits_first()``), a check reads the
-hit's tier blocks once before it is offered, so a failed block ends the hit there before
-vLLM allocates (:mod:`.staged_check`); a failure after that offer stops the engine
-before any block of the hit is read. On a tier shared across instances the run is what an existence
-query found (the first lookup asks, the next one stages); a hit is staged only while
-the tier's circuit breaker is closed, and a read that does not land within the tier's
-wait ends the hit there, as does a block that vanished from the store between the query
-and the read (its read fails).
+Nothing of the hit is evicted while it is served: its tier keys are pinned from the
+lookup on, its CPU blocks until their round landed, its device blocks until the last
+round did. Slots go position by position, so a block that fails to read or copy, or
+a read past its deadline, ends the hit there: the rest is reported failed (per block
+with one group, per request with several) and the request is offered no hit again.
+Where vLLM cannot be told that a load of several groups failed, a check reads the hit
+once before it is offered (:mod:`.staged_check`).
 """
 
 from __future__ import annotations
@@ -76,14 +51,9 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead
 
 
-
 class StagedHits(RequestPart):
-    """The staged hits of one scheduler: offered at lookup, advanced every step.
-
-    Rounds are load jobs of ``loads`` (the one book of loads): their ids, rank reports,
-    busy CPU blocks, failed requests and device pins are kept there. Its own: the hits
-    offered and served, and which tier keys each one is bringing.
-    """
+    """The staged hits of one scheduler: offered at lookup, advanced every step. Rounds
+    are load jobs of ``loads``, which keeps their ids, reports, busy blocks and pins."""
 
     def __init__(self, tiers: TierChain, loads: LoadJobs, cpu: CpuTier,
                  stats: StatsLedger, block_size: int, vllm: VllmStrategy,
@@ -138,7 +108,6 @@ class StagedHits(RequestPart):
         self._pending[req_id] = staged
         self.tiers.release_promoted(req_id)  # a prefetch's blocks: pinned above
         return staged.num_tokens
-
 
     def on_lookup(self, req_id: str) -> None:
         self.release_pending(req_id)
@@ -308,8 +277,7 @@ class StagedHits(RequestPart):
         """vLLM's prefix cache was reset: hits offered and not allocated are let go;
         a hit being served stops after the blocks already promoted or being promoted
         (the rest is recomputed). Rounds and promotions in flight run to their end."""
-        for req_id in list(self._pending):
-            self.release_pending(req_id)
+        self.release_unallocated()
         self.checks.reset()
         if self.checks.enabled:
             return  # this vLLM cannot recompute the rest: served whole (its keys pinned)

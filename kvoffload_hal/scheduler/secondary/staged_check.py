@@ -1,24 +1,12 @@
 """Staged hits read once before they are offered, where vLLM cannot recompute a failed load.
 
-vLLM < 0.32 is told of a failed load of a model with several KV cache groups neither
-per block nor per request (a failed load is sent again there): once a staged hit is
-offered and its device blocks are allocated, nothing it brings may fail. There, before a
-lookup offers a staged hit, a *check* reads the hit's tier blocks once through the CPU tier, part by
-part (as many as the CPU tier has free blocks for at each step), every read checked as
-a promotion's is; the lookup asks again later meanwhile.
-
-* A block that fails to read is dropped from the tier's index (as any failed
-  promotion's), so the hit the next lookup plans ends before it: the same "a failed or
-  corrupted block ends the hit there" as on later vLLM, decided before vLLM allocates.
-* A check that cannot go on (no CPU room for the reads' one deadline, or a read past
-  the tier's wait) ends the hit where it stopped: the lookup offers what was read.
-* The blocks read stay in the CPU tier as ordinary content: the last parts are often
-  still there when the hit is served, and are not read again.
-
-What is left is a failure after the offer: a block changed on disk between the check
-and the serving read, or a copy failed. That vLLM cannot recompute it, so the engine
-stops with an error before any block of the hit is read (``StagedHits``, the worker's
-``LoadOutcomes``), as it does after a failed load of such a model is tried again.
+vLLM < 0.32 is told of a failed load of a model with several KV cache groups neither per
+block nor per request, so nothing a staged hit brings may fail once it is offered. There,
+before a lookup offers one, a *check* reads the hit's tier blocks through the CPU tier
+(the lookup asks again later meanwhile): a block that fails to read leaves the index, and
+a check that cannot go on (no room, a read past its wait) ends the hit where it stopped.
+The blocks read stay as ordinary CPU content. A failure after the offer (a file changed,
+a copy failed) stops the engine before any block of the hit is read.
 """
 
 from __future__ import annotations
