@@ -18,13 +18,7 @@ from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
 from kvoffload_hal.scheduler.secondary.index import TierIndex
 from kvoffload_hal.scheduler.secondary.plan import GroupKeys, SlotPlan, SlotPlanner
 from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead, TierReads, starved
-from kvoffload_hal.scheduler.secondary.spill import (
-    JobKind,
-    SpillingTier,
-    TierJob,
-    TierNames,
-    TierStep,
-)
+from kvoffload_hal.scheduler.secondary.spill import JobKind, SpillingTier, TierJob, TierNames
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -33,22 +27,6 @@ if TYPE_CHECKING:
     from kvoffload_hal.metrics import StatsLedger
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.tiers.spec import BlockKey
-
-__all__ = ["PromotingTier", "TierStep"]
-
-
-def _no_copies() -> bool:
-    return False
-
-
-def _hit_length(hit: Hit) -> int:
-    """Blocks of a CPU hit (every group's list has one entry a position)."""
-    return max((len(group) for group in hit), default=0)
-
-
-def _blocks(hit: Hit) -> list[KVCacheBlock]:
-    return [b for group in hit for b in group if not b.is_null]
-
 
 class PromotingTier(SpillingTier):
     """A tier's scheduler half: its spills, its promotions, the source of staged hits."""
@@ -68,7 +46,7 @@ class PromotingTier(SpillingTier):
         self._promoting: dict[str, TierRead] = {}  # a request's promotion in flight
         self._kept: dict[str, list[KVCacheBlock]] = {}  # until the request's next lookup
         self._no_promotion: set[str] = set()
-        self._copies_in_flight: Callable[[], bool] = _no_copies
+        self._copies_in_flight: Callable[[], bool] = lambda: False
         self.groups = GroupKeys.of(cpu)
         self.planner = SlotPlanner(cpu, self.groups, index.is_ready, self._coming)
 
@@ -112,8 +90,8 @@ class PromotingTier(SpillingTier):
             return True
         if req_id in self._no_promotion:
             return False
-        hashes, hit_length = request.block_hashes, _hit_length(hit)
-        positions = hashes[first_block:end_block]
+        hashes = request.block_hashes
+        hit_length = max((len(group) for group in hit), default=0)  # blocks, every group
         plan = self.planner.plan(hashes, first_block - hit_length,
                                  (end_block - first_block + hit_length)
                                  * self.cpu.hash_block_size)
@@ -127,10 +105,10 @@ class PromotingTier(SpillingTier):
             # A block another request's read brings counts as on its way.
             chosen = self.planner.promotion(plan, hashes, end_block,
                                             self.room.grant(kind, max_blocks))
-            if not chosen:
-                return (self._waits_for_others(req_id, positions)
-                        or self._waits_for_room(req_id, plan, end_block,
-                                                [*held, *_blocks(hit)], hashes))
+            if not chosen:  # another request's read brings blocks of the run, or room
+                keys = self.groups.keys(hashes[first_block:end_block])
+                return (self.reads.brings_for_another(keys, req_id)
+                        or self._waits_for_room(req_id, plan, end_block, held, hit, hashes))
             self._promoting[req_id] = read = self.reads.start(
                 self, req_id, chosen, self._promoted, kind, "a promotion")
             self.reads.advance(read, len(chosen))
@@ -142,17 +120,13 @@ class PromotingTier(SpillingTier):
         """Whether another request's read brings ``key`` into the CPU tier."""
         return bool(self.reads.owners) and key in self.reads.owners
 
-    def _waits_for_others(self, req_id: str, positions: list[Any]) -> bool:
-        """Whether another request's read brings blocks of ``positions``: this request
-        asks again once they are in the CPU tier, and loads them from there."""
-        return self.reads.brings_for_another(self.groups.keys(positions), req_id)
-
     def _waits_for_room(self, req_id: str, plan: SlotPlan, end_block: int,
-                        own: list[KVCacheBlock], hashes: list[Any]) -> bool:
+                        held: list[KVCacheBlock], hit: Hit, hashes: list[Any]) -> bool:
         """Whether only CPU room is missing, held by copies in flight: the request asks
-        again when they end, its ``own`` blocks (hit and run) kept until then."""
+        again when they end, its own blocks (the hit, the run's ``held``) kept until then."""
         if not self.planner.entries(plan, hashes, end_block):
             return False  # nothing to promote, whatever the room
+        own = [*held, *(b for group in hit for b in group if not b.is_null)]
         # Loads and stores hold fresh blocks or other requests' hits; a spill of the
         # request's own blocks frees nothing for it.
         own_ids = {b.block_id for b in own}
@@ -169,9 +143,7 @@ class PromotingTier(SpillingTier):
 
     def release_promoted(self, req_id: str) -> None:
         """Drop the pins kept on promoted blocks once the request looked them up again."""
-        blocks = self._kept.pop(req_id, None)
-        if blocks:
-            self.cpu.unpin(blocks)
+        self.cpu.unpin(self._kept.pop(req_id, ()))
 
     def _promoted(self, read: TierRead, part: list[Entry], blocks: list[KVCacheBlock],
                   n_ok: int) -> None:
@@ -200,9 +172,6 @@ class PromotingTier(SpillingTier):
         self._no_promotion.discard(req_id)
         self._stop_promoting(req_id)
         return False
-
-    def queue(self, job: TierJob) -> None:
-        self._queued.append(job)
 
     def _finish_promotion(self, job: TierJob) -> None:
         self.reads.finish(job, self)

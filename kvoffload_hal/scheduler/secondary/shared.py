@@ -24,8 +24,8 @@ from kvoffload_hal.metadata import TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import RankTally
 from kvoffload_hal.scheduler.room import RoomKind
 from kvoffload_hal.scheduler.secondary.index import TierIndex, _Entry
-from kvoffload_hal.scheduler.secondary.promotions import PromotingTier, TierStep
-from kvoffload_hal.scheduler.secondary.spill import JobKind, TierNames
+from kvoffload_hal.scheduler.secondary.promotions import PromotingTier
+from kvoffload_hal.scheduler.secondary.spill import JobKind, TierNames, TierStep
 from kvoffload_hal.tiers.spec import BlockKey
 
 if TYPE_CHECKING:

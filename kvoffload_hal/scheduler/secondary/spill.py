@@ -72,7 +72,6 @@ class SpillingTier(RequestPart):
         self.names = names
         self.rebuild = IndexRebuild(index, world_size, names.label) if rebuild else None
         self.cpu = cpu
-        self.world_size = world_size
         self.stats = stats
         self._queued: list[TierJob] = []
         self._sent: JobBook[TierStep] = JobBook(world_size)
@@ -87,6 +86,10 @@ class SpillingTier(RequestPart):
         keys, blocks, hashes = map(list, zip(*chosen))
         self.cpu.pin(blocks)  # read by the tier until every rank wrote it
         self._queued.append(TierJob(JobKind.SPILL, keys, blocks, hashes))
+
+    def queue(self, job: TierJob) -> None:
+        """Send ``job`` with this step's tier jobs."""
+        self._queued.append(job)
 
     def _spills(self) -> Iterator[TierJob]:
         """Spill jobs queued or in flight: each keeps its CPU blocks until it ends."""
@@ -138,14 +141,8 @@ class SpillingTier(RequestPart):
         else:
             self.index.commit(ok)
             self.index.drop(job.failed)
-            self._record_moved(len(ok), 0)
+            self.stats.record_tier(self.names.name, spilled=len(ok))
         self.cpu.unpin(job.blocks)
-
-    def _finish_promotion(self, job: TierJob) -> None:
-        raise NotImplementedError
-
-    def _record_moved(self, spilled: int, promoted: int) -> None:
-        self.stats.record_tier(self.names.name, spilled=spilled, promoted=promoted)
 
     def on_found(self, keys: list[BlockKey], ranks_done: int) -> None:
         if self.rebuild is not None:
