@@ -89,13 +89,11 @@ class TierChain(RequestPart):
         for tier in self.tiers:
             tier.bind_copies(copies_in_flight)
 
-    # ------------------------------------------------------------- writes
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         """Blocks were just published in the CPU tier: written through the chain."""
         for tier in self.tiers:
             tier.on_published(blocks, hashes)
 
-    # -------------------------------------------------------------- reads
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
                kind: RoomKind = RoomKind.PROMOTIONS, max_blocks: int | None = None) -> bool:
         """After a CPU hit: True when the request asks again later, because the nearest
@@ -115,7 +113,6 @@ class TierChain(RequestPart):
         for tier in self.tiers:
             tier.release_all_kept()
 
-    # ------------------------------------------------------ jobs, reports
     def take_jobs(self) -> tuple[TierJobs, ...]:
         """This step's jobs, one :class:`TierJobs` per tier."""
         return tuple(tier.take_jobs() for tier in self.tiers)
@@ -139,7 +136,6 @@ class TierChain(RequestPart):
         for place in sorted({*keys, *done}):
             self.tiers[place].on_found(keys[place], done[place])
 
-    # ----------------------------------------------------- request's life
     def request_finished(self, req_id: str) -> bool:
         for tier in self.tiers:
             tier.request_finished(req_id)

@@ -59,7 +59,6 @@ class PromotingTier(SpillingTier):
         """Whether a hit may be staged now (a shared tier: while its breaker is closed)."""
         return True
 
-    # ----------------------------------------------------------- promotion
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
                kind: RoomKind = RoomKind.PROMOTIONS, max_blocks: int | None = None) -> bool:
         """Start or await a promotion of blocks ``[first_block, end_block)``; the hit
@@ -176,7 +175,6 @@ class PromotingTier(SpillingTier):
     def _finish_promotion(self, job: TierJob) -> None:
         self.reads.finish(job, self)
 
-    # --------------------------------------------------------------- misc
     def reset(self) -> None:
         """Forget every entry; jobs in flight finish but are not published, and blocks
         kept for requests' next lookups are let go (their hashes are gone)."""

@@ -103,7 +103,6 @@ class TierReads:
         self.clock = clock
         self.owners: dict[BlockKey, TierRead] = {}
 
-    # ---------------------------------------------------------- ownership
     def start(self, source: PromotingTier, reader: str, entries: list[Entry], sink: Sink,
               kind: RoomKind, what: str = "a read") -> TierRead:
         """A read of ``entries`` from ``source`` for ``reader``; it owns their keys
@@ -141,7 +140,6 @@ class TierReads:
             if self.owners.get(key) is read:
                 del self.owners[key]
 
-    # ------------------------------------------------------------ reading
     def advance(self, read: TierRead, room: int | None = None) -> bool:
         """Queue the read's next part, of at most ``room`` entries (default: what the
         broker grants its kind), unless one is in flight; apply the deadline. False when

@@ -170,7 +170,6 @@ class _Probe:
     sent_at: float
     job_id: int | None = None  # None until sent
     answered: bool = False
-    missing: set[BlockKey] = field(default_factory=set)  # on any rank
 
 
 # The breaker's name for spills when they are its probe: a request id never is.
@@ -325,8 +324,7 @@ class SharedTier(PromotingTier):
             return
         self.breaker.success()  # answered (a key it lacks is an answer too)
         for probe in step.jobs:  # a block is readable when every rank holds its shard
-            probe.missing.update(tally.failed_keys)
-            self.index.learn(k for k in probe.keys if k not in probe.missing)
+            self.index.learn(k for k in probe.keys if k not in tally.failed_keys)
             probe.answered = True
 
     def reset(self) -> None:

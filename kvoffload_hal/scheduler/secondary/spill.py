@@ -76,7 +76,6 @@ class SpillingTier(RequestPart):
         self._queued: list[TierJob] = []
         self._sent: JobBook[TierStep] = JobBook(world_size)
 
-    # --------------------------------------------------------------- spill
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         keys = [h.hex() for h in hashes]
         accepted = set(self.index.reserve(keys))
@@ -98,7 +97,6 @@ class SpillingTier(RequestPart):
             if step.kind is JobKind.SPILL:
                 yield from step.jobs
 
-    # ---------------------------------------------------------- per step
     def take_jobs(self) -> TierJobs:
         spill, promote = (self._take(kind) for kind in (JobKind.SPILL, JobKind.PROMOTE))
         self._queued.clear()
