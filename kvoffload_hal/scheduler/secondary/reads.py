@@ -4,15 +4,11 @@ A :class:`TierRead` is a list of entries read for one *reader* (a request) into 
 blocks, part by part, each as large as the room broker grants the read's kind, and
 handed to the read's *sink* once every rank read it: a promotion keeps the blocks for
 the request's next lookup, a staged hit loads them in a round, a check lets them go.
-docs/design.md, "One read, one room", states the rule; in short:
-
-* from its start to its end a read *owns* its keys: pinned in the tier's index, and
-  entered in the one owner map, so another request meeting them waits for this read;
-* a key that failed on any rank leaves the index here, for every caller; the blocks
-  before it are published in the CPU tier, and the read ends there;
-* one deadline: no room granted for :data:`MAX_ROOM_WAIT_S`, or a part in flight past
-  the tier's read wait, stops the read where it is; a late part's blocks are let go
-  when its job ends, never before.
+From start to end a read owns its keys (pinned in the index, and in the one owner map,
+so another request meeting them waits for it); a key that failed on any rank leaves the
+index and ends the read there; and one deadline (no room for :data:`MAX_ROOM_WAIT_S`, a
+part past the tier's read wait) stops it where it is (docs/design.md, "One read, one
+room").
 """
 
 from __future__ import annotations

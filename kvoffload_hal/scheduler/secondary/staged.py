@@ -268,10 +268,9 @@ class StagedHits(RequestPart):
         self.release_pending(req_id)
         self.checks.forget(req_id)
         staged = self._active.get(req_id)
-        if staged is None:
-            return False
-        staged.aborted = True
-        return True
+        if staged is not None:
+            staged.aborted = True
+        return staged is not None
 
     def reset(self) -> None:
         """vLLM's prefix cache was reset: hits offered and not allocated are let go;
