@@ -81,14 +81,15 @@ class Prefetcher(NullPrefetcher):
         self._waiting[request.request_id] = request
 
     def forget(self, req_id: str) -> None:
-        if self._waiting.pop(req_id, None) is not None:
-            self.cpu.unpin(self._seen.pop(req_id, ()))
+        if self._waiting.pop(req_id, None) is not None and (hit := self._seen.pop(req_id, None)):
+            self.cpu.unpin(hit)
 
     def reset(self) -> None:
         """vLLM's prefix cache was reset: the CPU hits held for waiting requests are let
         go (their hashes are dropped); a request still waiting is looked at again."""
         for hit in self._seen.values():
-            self.cpu.unpin(hit)
+            if hit:
+                self.cpu.unpin(hit)
         self._seen.clear()
 
     def num_held_blocks(self) -> int:

@@ -142,7 +142,8 @@ class PromotingTier(SpillingTier):
 
     def release_promoted(self, req_id: str) -> None:
         """Drop the pins kept on promoted blocks once the request looked them up again."""
-        self.cpu.unpin(self._kept.pop(req_id, ()))
+        if blocks := self._kept.pop(req_id, None):
+            self.cpu.unpin(blocks)
 
     def _promoted(self, read: TierRead, part: list[Entry], blocks: list[KVCacheBlock],
                   n_ok: int) -> None:

@@ -85,11 +85,11 @@ class CircuitBreaker:
         passed lets this caller through as its probe (half-open)."""
         if self.state is BreakerState.CLOSED:
             return True
-        now = self.clock()
-        if self.state is BreakerState.HALF_OPEN and now - self._since > self.probe_timeout_s:
+        if (self.state is BreakerState.HALF_OPEN
+                and self.clock() - self._since > self.probe_timeout_s):
             self._open(f"the probe had no answer within {self.probe_timeout_s:g} s")
         if self.state is BreakerState.OPEN:
-            if now - self._since < self.backoff_s:
+            if self.clock() - self._since < self.backoff_s:
                 return False
             self._move(BreakerState.HALF_OPEN, "probing with one request")
         if self._probe is None:
