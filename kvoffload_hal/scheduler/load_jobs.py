@@ -247,11 +247,9 @@ class LoadJobs(RequestPart):
 
     def on_transfer_results(self, output: KVConnectorOutput) -> None:
         """Asynchronous loads that ended, as vLLM collected them from the workers."""
-        if not output.finished_recving:
-            return
         invalid = output.invalid_block_ids or set()
         failed = self.vllm.failed_recving(output)
-        for req_id in output.finished_recving:
+        for req_id in output.finished_recving or ():
             load = self._loads.pop(req_id, None)
             if load is None:
                 continue
