@@ -5,6 +5,7 @@ is said there). Nothing here waits for the connector: a script generates, prints
 result line and ends as it was told.
 """
 
+import collections
 import json
 import os
 import subprocess
@@ -34,10 +35,13 @@ def start(model: str, disk, end: str, *flush_s: str) -> subprocess.Popen:
 
 def result_line(proc: subprocess.Popen) -> dict:
     """The script's result: each request's tokens and cached tokens."""
+    tail: collections.deque[str] = collections.deque(maxlen=40)  # vLLM logs to stdout
     for line in proc.stdout:
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
-    raise AssertionError(f"the engine printed no result (exit code {proc.wait()})")
+        tail.append(line)
+    raise AssertionError(f"the engine printed no result (exit code {proc.wait()}); "
+                         f"its last lines:\n{''.join(tail)}")
 
 
 def result(proc: subprocess.Popen, timeout_s: float = 420) -> dict:
