@@ -31,7 +31,7 @@ keyword arguments                                      the arguments the factory
 ``BlockPool._insert_block_hash``   0.32                :func:`insert_block_hashes`
 ``MEDIUM_CPU``, ``BlockPool        0.32                :data:`MEDIUM_CPU`,
 .medium``, ``BlockStored                               :func:`block_stored`,
-(locality=)``                                          :func:`label_events`
+(locality=)``                                          :func:`label_pool`
 ``FreeKVCacheBlockQueue            0.32                :func:`iter_free_blocks`
 .iter_blocks_after``
 ``get_kv_cache_configs``           (0.33: moved; the   :func:`get_kv_cache_configs`
@@ -348,13 +348,37 @@ def block_stored(**fields: Any) -> Any:
     return kv_events.BlockStored(**fields)
 
 
-def label_events(events: Iterable[Any], medium: str) -> list[Any]:
-    """``events`` of a pool whose blocks live on ``medium``: releases without
-    ``BlockPool.medium`` label every event of a pool as device memory."""
-    import msgspec
+def label_pool(pool: BlockPool, medium: str) -> Callable[[], list[Any]]:
+    """Label ``pool``'s blocks as living on ``medium``; returns the pool's
+    ``take_events``, whose events carry that medium (a pool without
+    ``BlockPool.medium`` labels them as device memory: they are relabelled)."""
+    relabel = not hasattr(pool, "medium")
+    pool.medium = medium
+    if not relabel:
+        return pool.take_events
 
-    return [e if getattr(e, "medium", medium) in (medium, None)
-            else msgspec.structs.replace(e, medium=medium) for e in events]
+    def take_events() -> list[Any]:
+        import msgspec
+
+        return [e if getattr(e, "medium", medium) in (medium, None)
+                else msgspec.structs.replace(e, medium=medium) for e in pool.take_events()]
+    return take_events
+
+
+def hash_seed_is_random(hash_algo: str | None) -> bool:
+    """Whether vLLM seeds block hashing with ``hash_algo`` at random in every process,
+    ``PYTHONHASHSEED`` unset: vLLM's own seed resolution (``resolve_none_hash_seed``)
+    asked twice gives two seeds; a release without it always draws one."""
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:
+        return True
+    resolve = getattr(kv_cache_utils, "resolve_none_hash_seed", None)
+    if resolve is None:
+        return True
+    hash_fn = get_hash_fn_by_name(hash_algo or "sha256")
+    return resolve(hash_fn) != resolve(hash_fn)
 
 
 def get_kv_cache_configs(vllm_config: VllmConfig, kv_cache_specs: list[dict[str, Any]],

@@ -89,10 +89,8 @@ class CpuTier:
         self.eviction = make_eviction(eviction, self.pool, num_blocks)
         self.device_copies = DeviceCopies(self.pool, device_copies, tier_behind)
         # Evictions from this pool are evictions from CPU memory: label its KV
-        # events so a KV-aware router does not take them for device ones. A pool
-        # without the attribute labels them itself: relabel them as they are taken.
-        self._relabel_events = not hasattr(self.pool, "medium")
-        self.pool.medium = MEDIUM_CPU
+        # events so a KV-aware router does not take them for device ones.
+        self._take_pool_events = vllm_compat.label_pool(self.pool, MEDIUM_CPU)
         self.group_block_sizes: list[int] = list(vllm_compat.group_block_sizes(self.coordinator))
         cacheable = vllm_compat.prefix_cacheable_group_ids(config)
         # A group whose block at a position is replaced as the request runs
@@ -257,7 +255,4 @@ class CpuTier:
                 medium=MEDIUM_CPU, lora_name=None, group_idx=group, locality="LOCAL"))
 
     def take_events(self) -> Iterable[Any]:
-        events = self.pool.take_events()
-        if self._relabel_events and events:
-            return vllm_compat.label_events(events, MEDIUM_CPU)
-        return events
+        return self._take_pool_events()

@@ -107,16 +107,9 @@ def block_hash_seed_is_random(hash_algo: str | None = None) -> bool:
     """
     if os.environ.get("PYTHONHASHSEED") is not None:
         return False
-    try:
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core import kv_cache_utils
-    except ImportError:
-        return True
-    resolve = getattr(kv_cache_utils, "resolve_none_hash_seed", None)
-    if resolve is None:
-        return True
-    hash_fn = get_hash_fn_by_name(hash_algo or "sha256")
-    return resolve(hash_fn) != resolve(hash_fn)
+    from kvoffload_hal import vllm_compat  # vLLM at call time, not at import
+
+    return vllm_compat.hash_seed_is_random(hash_algo)
 
 
 def restart_warning(kept: bool, path: str, hash_algo: str | None = None) -> str | None:

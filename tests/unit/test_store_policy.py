@@ -20,6 +20,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
+from kvoffload_hal import vllm_compat  # noqa: E402
 from kvoffload_hal.scheduler.store_policy import (  # noqa: E402
     BlockPicker,
     EagerPolicy,
@@ -38,18 +39,15 @@ def _hash(i):
     return make_block_hash_with_group_id(i.to_bytes(32, "little"), 0)
 
 
-def _set_hash(block, block_hash):
-    if hasattr(block, "set_block_hash"):  # vLLM >= 0.32
-        block.set_block_hash(block_hash)
-    else:
-        block.block_hash = block_hash
+def _set_hash(pool, block, block_hash):
+    vllm_compat.insert_block_hashes(pool, [block], [block_hash])  # as vLLM caches it
 
 
 def _cached_free_blocks(pool, n):
     """``n`` hashed blocks returned to the free queue, in this order (oldest first)."""
     blocks = pool.get_new_blocks(n)
     for i, block in enumerate(blocks):
-        _set_hash(block, _hash(1000 + i))
+        _set_hash(pool, block, _hash(1000 + i))
     pool.free_blocks(blocks)
     return blocks
 
@@ -128,7 +126,7 @@ def _scheduled(req_id, new_block_ids):
 def _hashed(pool, n):
     blocks = pool.get_new_blocks(n)
     for i, block in enumerate(blocks):
-        _set_hash(block, _hash(i))
+        _set_hash(pool, block, _hash(i))
     return blocks
 
 
@@ -201,7 +199,7 @@ def test_picker_keeps_one_block_per_hash_and_stops_when_full():
     pool = _pool()
     a, b, c = _hashed(pool, 3)
     twin = pool.get_new_blocks(1)[0]
-    _set_hash(twin, a.block_hash)
+    _set_hash(pool, twin, a.block_hash)
     picker = BlockPicker(2, _everything)
     for block in (a, twin, pool.null_block, b):
         picker.offer(block)
