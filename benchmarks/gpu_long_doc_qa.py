@@ -38,7 +38,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from long_doc_qa import CPU_DOCS, DEVICE_DOCS, OUTPUT_TOKENS, TOKEN_ID_FLOOR, _count_steps
+from long_doc_qa import CPU_DOCS, DEVICE_DOCS, OUTPUT_TOKENS, TOKEN_ID_FLOOR
+from long_doc_qa_probes import count_steps
 from long_doc_qa_report import write_plot
 
 from kvoffload_hal.demo.inprocess import EngineSpec, offload_transfer_config
@@ -200,7 +201,7 @@ def measured_pass(llm, docs: list[list[int]], seed: int, meter: CopyMeter) -> di
     llm.generate([TokensPrompt(prompt_token_ids=d) for d in docs], params, use_tqdm=False)
     order = [i for i in range(len(docs)) for _ in range(2)]
     random.Random(seed).shuffle(order)
-    counter = _count_steps(llm)
+    counter = count_steps(llm)
     start = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=docs[i]) for i in order], params,
                         use_tqdm=False)

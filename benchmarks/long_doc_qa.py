@@ -54,6 +54,7 @@ tier hits. Prints a table and writes ``docs/benchmarks/long_doc_qa.{md,png}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -65,12 +66,14 @@ from pathlib import Path
 
 import eviction_variants  # noqa: F401  (registers adaptive-no-ends)
 from long_doc_qa_hierarchy import Admissions, hierarchy_table
+from long_doc_qa_probes import ConnectorTime, count_steps
 from long_doc_qa_report import (
     CONFIGS,
     DISK,
     EXTRA_CONFIGS,
     OFFLOAD,
     SAME_BATCH,
+    connector_table,
     eviction_table,
     format_table,
     num_params,
@@ -222,10 +225,12 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
         totals = conn.scheduler.totals.data if conn else {}
         hits_before = totals.get("cpu_hit_tokens", 0)
         promoted_before = totals.get("blocks_from_disk", 0)
-        counter = _count_steps(llm)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        counter = count_steps(llm)
+        timer = ConnectorTime() if spec.offload else None
+        with timer.measuring() if timer else contextlib.nullcontext():
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - start
         ttft = [o.metrics.first_token_latency for o in outputs if o.metrics is not None]
         hits = totals.get("cpu_hit_tokens", 0) - hits_before
         result = Result(len(docs), config, wall, ttft,
@@ -240,6 +245,7 @@ def run_one(config: str, docs: list[list[int]], seed: int, model: str,
                                measured_from),
             hits=sum((o.num_cached_tokens or 0) // BLOCK_SIZE for o in outputs))
         if conn is not None:
+            result.extra["connector_s"] = dict(timer.seconds)
             cpu = conn.scheduler.cpu
             defer = ", defer" if load_room == "defer" else ""
             result.policy = f"{eviction}, {device_copies}{defer}"
@@ -261,29 +267,6 @@ def _cache_blocks(spec: EngineSpec, conn, num_docs: int, length: int) -> int:
     if spec.extra_config.get("disk_path"):
         blocks += disk_blocks(num_docs, length)
     return blocks
-
-
-def _count_steps(llm) -> list[int]:
-    """Count engine steps and scheduled tokens from now on: [steps, tokens]."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    counter = [0, 0]
-    schedule = scheduler.schedule
-    trace = os.environ.get("LONG_DOC_QA_STEP_TRACE")
-
-    def counting_schedule(*args, **kwargs):
-        out = schedule(*args, **kwargs)
-        if out.total_num_scheduled_tokens:
-            counter[0] += 1
-            counter[1] += out.total_num_scheduled_tokens
-        if trace:  # one line per step: time, scheduled tokens, running requests
-            with open(trace, "a") as f:
-                f.write(f"{time.perf_counter():.4f} {out.total_num_scheduled_tokens} "
-                        f"{len(out.num_scheduled_tokens)} {len(scheduler.running)} "
-                        f"{len(scheduler.waiting)}\n")
-        return out
-
-    scheduler.schedule = counting_schedule
-    return counter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -381,7 +364,8 @@ def write_report(args: argparse.Namespace, results: list[Result], shape: str,
     minimum = {n: minimum_computed_tokens(n, args.document_length) for n in args.num_documents}
     table = (format_table(results, args.num_documents) + "\n\n"
              + eviction_table(results, args.num_documents, minimum) + "\n\n"
-             + hierarchy_table(results, args.num_documents, BLOCK_SIZE))
+             + hierarchy_table(results, args.num_documents, BLOCK_SIZE) + "\n\n"
+             + connector_table(results))
     print(table)
     if args.quick:
         return

@@ -110,6 +110,30 @@ def format_table(results: list[Result], ns: list[int]) -> str:
     return "\n".join(lines)
 
 
+def connector_summary(seconds: dict[str, float]) -> str:
+    """``connector 0.115 s (scheduler 0.030, rescues 0.022, ...)``: long_doc_qa_probes.py."""
+    from long_doc_qa_probes import GROUPS
+
+    parts = ", ".join(f"{g} {seconds.get(g, 0.0):.3f}" for g in GROUPS)
+    return f"connector {sum(seconds.values()):.3f} s ({parts})"
+
+
+def connector_table(results: list[Result]) -> str:
+    """Per offloading engine: its pass and the part of it spent in our connector."""
+    from long_doc_qa_probes import GROUPS
+
+    lines = ["| docs | engine | measured pass s | in the connector s | "
+             + " | ".join(f"{g} s" for g in GROUPS) + " |",
+             "|---:|:---|---:|---:|" + "---:|" * len(GROUPS)]
+    for r in results:
+        seconds = r.extra.get("connector_s")
+        if seconds:
+            lines.append(f"| {r.num_docs} | {r.config} | {r.wall_s:.2f} | "
+                         f"{sum(seconds.values()):.3f} | "
+                         + " | ".join(f"{seconds.get(g, 0.0):.3f}" for g in GROUPS) + " |")
+    return "\n".join(lines)
+
+
 def write_plot(results: list[Result], ns: list[int], path: Path, title: str) -> None:
     import matplotlib
 
@@ -141,6 +165,8 @@ def print_result(n: int, best, config: str, block_size: int) -> None:
                  if config == DISK else "")
     if best.extra.get("trace_hits"):  # hit blocks: this tier, the optimum, replays
         disk_note += f"  trace hits {best.extra['trace_hits']}"
+    if best.extra.get("connector_s"):  # the pass's time in our connector's calls
+        disk_note += f"  {connector_summary(best.extra['connector_s'])}"
     h = best.extra.get("hierarchy")
     if h:  # tokens computed at the hits of the whole hierarchy's optimum and oracle
         computed = {k: best.scheduled_tokens - (h[k] - h["hits"]) * block_size
