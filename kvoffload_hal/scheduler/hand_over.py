@@ -15,6 +15,11 @@ device too. So a step's copies run in an order:
    then the loads into the device blocks just rescued; their CPU blocks are handed
    over next, and so on, one batch per round, until every rescue has a home.
 
+Where the loads run before the forward pass (synchronous loads), the rescues of
+blocks the forward pass writes need only run before it too: they wait for homes as
+well, after the others (their blocks free no home), and only those left without one
+go first into blocks that evict.
+
 A block handed over leaves the CPU prefix cache when the step is planned (its bytes
 go to the device and stay there, cached once its request runs) and holds the rescued
 block's hash once the rescue is reported. A load that then fails loses its block from
@@ -51,18 +56,23 @@ class HandOverPlan:
 
 
 def plan_hand_over(rescues: list[Rescue], loads: list[tuple[int, int]], lossless: int,
-                   ) -> HandOverPlan:
+                   before_forward: bool = False) -> HandOverPlan:
     """Order ``rescues`` (in the device's eviction order) and the step's ``loads``
-    ((CPU block, device block) pairs) given ``lossless`` CPU blocks that evict nothing.
+    ((CPU block, device block) pairs) given ``lossless`` CPU blocks that evict nothing;
+    ``before_forward``: the loads, and so every round, run before the forward pass.
 
-    Only a rescue of a device block a load fills can wait for a round; one rescue goes
-    first anyway where no load could run before every round (the chain needs a start)."""
+    A rescue of a device block a load fills can wait for a round, and with
+    ``before_forward`` one the forward pass writes too; one rescue goes first anyway
+    where no load could run before every round (the chain needs a start)."""
     filled_by = {gpu: i for i, (_, gpu) in enumerate(loads)}
     written = [r for r in rescues if r.gpu_id not in filled_by]  # by the forward pass
     waiting = [r for r in rescues if r.gpu_id in filled_by]
     first = (written + waiting)[:lossless]
     waiting = waiting[max(0, lossless - len(written)):]
-    first += written[lossless:]  # no round can take them: they evict
+    written = written[lossless:]
+    if not before_forward:
+        first += written  # no round can take them: they evict
+        written = []
     pending = {r.gpu_id for r in waiting}
     order = [i for i, (_, gpu) in enumerate(loads) if gpu not in pending]
     if not order and waiting:
@@ -77,4 +87,7 @@ def plan_hand_over(rescues: list[Rescue], loads: list[tuple[int, int]], lossless
         ran = [filled_by[r.gpu_id] for r in batch]
         plan.order += ran
         homes = homes[len(batch):] + [loads[i][0] for i in ran]
+    if written and homes:  # after every load: their blocks free no home
+        plan.rounds.append((len(plan.order), list(zip(written, homes))))
+    plan.first += written[len(homes):]  # no home left: they evict
     return plan

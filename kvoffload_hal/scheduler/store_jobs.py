@@ -153,7 +153,7 @@ class StoreJobs:
                                      published=len(homed)), load
         fresh = self.cpu.allocate(room, for_device_blocks=True)  # evicting nothing
         plan = plan_hand_over(rescues, list(zip(load.cpu_blocks, load.gpu_blocks)),
-                              len(fresh))
+                              len(fresh), before_forward=load.sync)
         fresh += self.cpu.allocate(min(room, len(plan.first)) - len(fresh))
         first = self._send_rescue(homed + plan.first[:len(fresh)], homed_blocks + fresh,
                                   published=len(homed))

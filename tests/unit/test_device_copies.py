@@ -383,3 +383,35 @@ def test_without_a_tier_behind_a_store_evicts_no_block_only_the_cpu_tier_holds(m
         assert engine.model.checked_tokens > 0
         engine.assert_idle()
     assert held[True] == 10 * DOC_BLOCKS > held[False]
+
+
+def test_a_block_the_forward_pass_writes_waits_for_a_home_among_the_loads(make_engine):
+    """Synchronous loads run before the forward pass: a device block that a request
+    computing a new document reuses (no load fills it) is rescued into the CPU block
+    of a load of the same step once that load has run, as the loads' own blocks are,
+    not into fresh room that evicts a block only the CPU tier holds. The documents
+    fit in the two tiers together: no block leaves both while the burst runs."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    engine = make_engine(**ROOMY, extra_config={"device_copies": "drop"})
+    engine.offload.stores.homes = None  # the hand-over alone (see the burst above)
+    assert engine.offload.loads.sync_loads
+    tiers = Tiers(engine)
+    old, new = _docs(8), _docs(2, seed=1)
+    first = _one_at_a_time(engine, tiers, old, "a")
+    keys = {make_block_hash_with_group_id(h, 0) for r in first for h in r.block_hashes}
+    sent = len(engine.sent)
+    # New documents are computed while the old ones load their CPU hits, in one burst.
+    for i, d in enumerate(new + old):
+        engine.add(f"b{i}", d, max_tokens=2)
+    lost = set()
+    while engine.scheduler.has_requests() or engine.offload.has_pending_transfers():
+        tiers.step()
+        lost |= keys - _hashes(tiers.cpu) - _hashes(tiers.device)
+    written = [r for meta in engine.sent[sent:] if meta is not None and meta.load
+               for h in meta.load.hand_overs for r in h.rescue.gpu_blocks
+               if r not in meta.load.gpu_blocks]
+    assert written  # some rescued block was one the forward pass writes
+    assert not lost
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()

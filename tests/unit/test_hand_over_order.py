@@ -44,18 +44,43 @@ def _replay(loads, rescues, plan):
     return saved
 
 
+@pytest.mark.parametrize("before_forward", [False, True], ids=["async", "sync"])
 @pytest.mark.parametrize("seed", range(200))
-def test_every_rescue_runs_before_the_load_that_fills_its_block_and_into_a_block_read(seed):
+def test_every_rescue_runs_before_the_load_that_fills_its_block_and_into_a_block_read(
+        seed, before_forward):
     loads, rescues, lossless = _step(random.Random(seed))
-    plan = plan_hand_over(rescues, loads, lossless)
+    plan = plan_hand_over(rescues, loads, lossless, before_forward)
     assert sorted(plan.order) == list(range(len(loads)))  # every load once
     saved = _replay(loads, rescues, plan)
     assert sorted(saved) == sorted(r.block_hash for r in rescues)  # every rescue once
-    # Only the forward pass's blocks and a chain's start evict to make room.
+    # Only the forward pass's blocks and a chain's start evict to make room; before
+    # the forward pass, only those of its blocks no load's CPU block could take.
     filled = {g for _, g in loads}
     evicting = plan.first[plan.lossless:]
     written = [r for r in rescues if r.gpu_id not in filled]
-    assert len(evicting) <= max(0, len(written) - lossless) + 1
+    # Every load's CPU block is a home once it ran, less those the loads' own rescues take.
+    homes = max(0, len(loads) - (len(rescues) - len(written))) if before_forward else 0
+    homeless = max(0, len(written) - lossless - homes)
+    assert len(evicting) <= homeless + 1
+
+
+def test_before_the_forward_pass_its_blocks_wait_for_the_loads_cpu_blocks():
+    """Two loads needing no rescue, one load whose device block needs one and two
+    blocks the forward pass writes, no CPU block that evicts nothing: with the loads
+    before the forward pass nothing evicts but the chain's start; after it, the
+    forward pass's blocks must go first."""
+    loads = [(10, 0), (11, 1), (12, 2)]
+    filled, written = Rescue(2, "h2"), [Rescue(5, "h5"), Rescue(6, "h6")]
+    after = plan_hand_over([filled, *written], loads, 0)
+    assert after.first == written and after.rounds == [(2, [(filled, 10)])]
+    before = plan_hand_over([filled, *written], loads, 0, before_forward=True)
+    assert before.first == [] and before.order == [0, 1, 2]
+    # The load's own rescue first (its block frees a home), then the forward's blocks.
+    assert before.rounds == [(2, [(filled, 10)]), (3, [(written[0], 11), (written[1], 12)])]
+    # One load, whose own rescue starts the chain: one home, and the rest evicts.
+    short = plan_hand_over([filled, *written], loads[2:], 0, before_forward=True)
+    assert short.first == [filled, written[1]]
+    assert short.rounds == [(1, [(written[0], 12)])]
 
 
 def test_without_loads_every_rescue_goes_first():
