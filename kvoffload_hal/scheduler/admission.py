@@ -51,25 +51,41 @@ class LoadRoom(RequestPart):
         self.enabled = self.active = enabled
         self.gpu_pool: BlockPool | None = None
         self._running: dict[str, Request] = {}  # allocated on the device, not finished
+        # The blocks the running requests start next step, summed once per step (their
+        # tokens move on only between steps) and kept as requests come and go; None:
+        # to be summed at the next lookup.
+        self._needed: int | None = None
         self._deferred: dict[str, int] = {}  # request -> lookups deferred so far
         self.num_deferred = 0  # lookups deferred since start-up
 
     def bind(self, gpu_pool: BlockPool) -> None:
         self.gpu_pool = gpu_pool
 
+    def release_unallocated(self) -> None:
+        self._needed = None  # the step is scheduled: tokens move on before the next lookup
+
     def on_allocated(self, request: Request) -> None:
         if not self.enabled:
             return  # nothing to count for
+        if self._needed is not None and request.request_id not in self._running:
+            self._needed += _next_block(request, self.block_size)
+        else:
+            self._needed = None
         self._running[request.request_id] = request
         self._deferred.pop(request.request_id, None)
 
     def on_preempted(self, req_id: str) -> None:
-        self._running.pop(req_id, None)
+        self._leaves(req_id)
 
     def request_finished(self, req_id: str) -> bool:
-        self._running.pop(req_id, None)
+        self._leaves(req_id)
         self._deferred.pop(req_id, None)
         return False
+
+    def _leaves(self, req_id: str) -> None:
+        request = self._running.pop(req_id, None)
+        if request is not None and self._needed is not None:
+            self._needed -= _next_block(request, self.block_size)
 
     def defers(self, request: Request, num_computed_tokens: int) -> bool:
         """Whether a CPU-tier hit of ``request`` (device prefix ``num_computed_tokens``)
@@ -81,8 +97,9 @@ class LoadRoom(RequestPart):
             return False
         size = self.block_size
         own = -(-request.num_tokens // size) - num_computed_tokens // size
-        needed = _next_block(request, size) + sum(
-            _next_block(r, size) for r in self._running.values())
+        if self._needed is None:
+            self._needed = sum(_next_block(r, size) for r in self._running.values())
+        needed = _next_block(request, size) + self._needed
         if self.gpu_pool.get_num_free_blocks() - own >= needed:
             return False
         self._deferred[request.request_id] = times + 1

@@ -117,3 +117,27 @@ def test_a_lone_load_is_never_deferred(make_engine, gate):
     assert engine.cached_tokens["doc"] == (DOC_BLOCKS - 1) * BS  # came from the CPU tier
     assert engine.preemptions == 0
     engine.assert_idle()
+
+
+def test_the_running_requests_next_blocks_are_summed_once_a_step_and_kept_right(make_engine):
+    """The sum of the blocks the running requests start next step is kept between
+    lookups of one step (requests allocated, preempted, finishing) and summed again
+    after each step: at every lookup it equals the sum over the requests running."""
+    engine = make_engine(**ENGINE, extra_config={"defer_loads_without_room": True})
+    room = engine.offload.room
+    defers, checked = room.defers, []
+
+    def checking(request, num_computed_tokens):
+        answer = defers(request, num_computed_tokens)
+        fresh = sum(admission._next_block(r, room.block_size) for r in room._running.values())
+        if room._needed is not None:
+            checked.append(room._needed == fresh)
+        return answer
+    room.defers = checking
+    for i, d in enumerate(_docs(6, 3)):
+        engine.add(f"r{i}", d, max_tokens=2 + i % 3)
+    engine.run_until_done()
+    for i, d in enumerate(_docs(6, 3)):  # again, now from the CPU tier
+        engine.add(f"s{i}", d, max_tokens=2 + i % 3)
+    engine.run_until_done()
+    assert checked and all(checked)
