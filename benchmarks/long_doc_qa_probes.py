@@ -31,6 +31,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from scheduler_overhead_points import Timer
+
 GROUPS = {
     "scheduler": ("get_num_new_matched_tokens", "update_state_after_alloc",
                   "build_connector_meta", "update_connector_output", "request_finished",
@@ -50,34 +52,23 @@ class ConnectorTime:
             from kvoffload_hal.connector import HALOffloadConnector as cls
         self.cls = cls
         self.seconds: dict[str, float] = defaultdict(float)
-        self._depth = 0
 
     @contextmanager
     def measuring(self) -> Iterator[ConnectorTime]:
         """Time the class's calls until the block ends; the class is as before after."""
         originals = {name: self.cls.__dict__[name] for names in GROUPS.values()
                      for name in names if name in self.cls.__dict__}
-        group_of = {name: group for group, names in GROUPS.items() for name in names}
+        timer = Timer(self.cls, tuple(originals))  # a nested call counts once, outermost
+        timer.enabled = True
         try:
-            for name, fn in originals.items():
-                setattr(self.cls, name, self._timed(group_of[name], fn))
             yield self
         finally:
             for name, fn in originals.items():
                 setattr(self.cls, name, fn)
-
-    def _timed(self, group: str, fn):
-        def timed(*args, **kwargs):
-            if self._depth:
-                return fn(*args, **kwargs)
-            self._depth += 1
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[group] += time.perf_counter() - start
-                self._depth -= 1
-        return timed
+            for group, names in GROUPS.items():
+                for name in names:
+                    if name in timer.seconds:
+                        self.seconds[group] += timer.seconds[name]
 
 
 def count_steps(llm) -> list[int]:

@@ -390,7 +390,9 @@ def test_a_block_the_forward_pass_writes_waits_for_a_home_among_the_loads(make_e
     computing a new document reuses (no load fills it) is rescued into the CPU block
     of a load of the same step once that load has run, as the loads' own blocks are,
     not into fresh room that evicts a block only the CPU tier holds. The documents
-    fit in the two tiers together: no block leaves both while the burst runs."""
+    fit in the two tiers together: no block leaves both while the burst runs. (Where
+    the device's allocations this burst makes evict a block without a CPU copy for a
+    new document, as on vLLM 0.32, planning that rescue before the loads loses one.)"""
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
     engine = make_engine(**ROOMY, extra_config={"device_copies": "drop"})
@@ -400,7 +402,6 @@ def test_a_block_the_forward_pass_writes_waits_for_a_home_among_the_loads(make_e
     old, new = _docs(8), _docs(2, seed=1)
     first = _one_at_a_time(engine, tiers, old, "a")
     keys = {make_block_hash_with_group_id(h, 0) for r in first for h in r.block_hashes}
-    sent = len(engine.sent)
     # New documents are computed while the old ones load their CPU hits, in one burst.
     for i, d in enumerate(new + old):
         engine.add(f"b{i}", d, max_tokens=2)
@@ -408,11 +409,6 @@ def test_a_block_the_forward_pass_writes_waits_for_a_home_among_the_loads(make_e
     while engine.scheduler.has_requests() or engine.offload.has_pending_transfers():
         tiers.step()
         lost |= keys - _hashes(tiers.cpu) - _hashes(tiers.device)
-    written = [r for meta in engine.sent[sent:] if meta is not None and meta.load
-               for h in meta.load.hand_overs for r in h.rescue.gpu_blocks
-               if r not in meta.load.gpu_blocks]
     assert not lost
     assert engine.model.checked_tokens > 0
     engine.assert_idle()
-    if not written:  # vLLM < 0.32 starts no new document beside these loads
-        pytest.skip("no step rescued a block the forward pass writes beside loads")
