@@ -161,8 +161,11 @@ class OffloadScheduler:
             return 0, False
         hit, hit_tokens = self.cpu.find_hit(request.block_hashes, start, max_hit_tokens)
         if self.stores.homes is not None:  # blocks the device handed out this step
-            hit, hit_tokens = self.stores.homes.extend_hit(
-                request.block_hashes, start, max_hit_tokens, hit, hit_tokens)
+            hit, hit_tokens, waits = self.stores.homes.extend_hit(
+                request.block_hashes, start, max_hit_tokens, hit, hit_tokens,
+                lossless=self._hand_over_homes_rescues())
+            if waits:
+                return None, False  # the step's hand-over homes the rest: ask later
         if hit_tokens > 0 and self.loads.wait_for_shared_load(req_id, hit):
             return None, False  # another request's load brings these blocks: ask later
         # Without a secondary tier a CPU miss is final (most waiting requests, most steps).
@@ -187,6 +190,12 @@ class OffloadScheduler:
         if not self.caps.sync_loads:
             self._note_async(request)
         return hit_tokens, not self.caps.sync_loads
+
+    def _hand_over_homes_rescues(self) -> bool:
+        """Whether this step's hand-over can home its rescues in a load's CPU blocks and
+        publish them before the next step's lookups (scheduler/rescue_homes.py)."""
+        return (self.hand_overs is not None and self.caps.sync_loads
+                and self.loads.has_planned())
 
     def _note_async(self, request: Request) -> None:
         if self._track_landed:  # see _lets_landed_loads_in

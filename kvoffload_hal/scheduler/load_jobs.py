@@ -149,6 +149,10 @@ class LoadJobs(RequestPart):
     def unpin_device(self, gpu_ids: Iterable[int]) -> None:
         unpin_ids(self._gpu_pool(), gpu_ids)
 
+    def has_planned(self) -> bool:
+        """A load is planned for this step's job (not sent yet)."""
+        return any(load.job_id is None for load in self._loads.values())
+
     def in_flight(self, req_id: str) -> bool:
         """A load for the request is planned or sent and not over."""
         return req_id in self._loads
@@ -323,13 +327,8 @@ class LoadJobs(RequestPart):
         # (and free its blocks) until then.
         return not self.sync_loads
 
-    def on_lookup(self, req_id: str) -> None:
-        self.release_hit(req_id)
-
-    def reset(self) -> None:
-        """Release every hit waiting for an allocation; loads in flight run to their end."""
-        for req_id in list(self._pending_hits):
-            self.release_hit(req_id)
+    on_lookup = release_hit  # vLLM looks the request up again: its last hit goes
+    reset = release_unallocated  # every hit waiting for an allocation; loads run on
 
     def has_pending(self) -> bool:
         return bool(self._loads)

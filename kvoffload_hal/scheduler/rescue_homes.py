@@ -13,6 +13,13 @@ published under their hashes at once (pinned by the rescue), and go first in the
 rescue job. The worker copies them in ``bind_connector_metadata``, before any load, and
 fails a load that reads a block whose rescue failed on that rank (``Unfilled``,
 :mod:`kvoffload_hal.worker.hand_over`).
+
+Fresh CPU blocks may evict blocks only the CPU tier holds. Where the step's loads run
+before its forward pass and one is planned already, the step's hand-over
+(:mod:`~kvoffload_hal.scheduler.hand_over`) can home the rescues in the CPU blocks of
+its loads instead, and publishes them before the next step's lookups. There a lookup
+homes only into blocks that evict no such block, and a request whose hit wants more
+asks again next step (``waits``).
 """
 
 from __future__ import annotations
@@ -49,12 +56,14 @@ class RescueHomes:
         self.num_homed = 0
 
     def extend_hit(self, block_hashes: Sequence[Any], first: int, max_tokens: int,
-                   hit: Hit, hit_tokens: int) -> tuple[Hit, int]:
+                   hit: Hit, hit_tokens: int, lossless: bool = False,
+                   ) -> tuple[Hit, int, bool]:
         """The CPU hit from hash ``first`` on, made longer by homing the pending rescues
-        that continue it (as far as the CPU tier has room)."""
+        that continue it (as far as the CPU tier has room; ``lossless``: room that evicts
+        no block only the CPU tier holds), and whether the request waits for the rest."""
         pending = self.cpu.device_copies.pending
         if not pending or hit_tokens >= max_tokens:
-            return hit, hit_tokens
+            return hit, hit_tokens, False
 
         def stand_in(key: Any) -> _Pending | None:
             gpu_id = pending.get(key)
@@ -62,21 +71,23 @@ class RescueHomes:
 
         longer, tokens = self.cpu.find_hit_with(block_hashes, first, max_tokens, stand_in)
         if tokens <= hit_tokens:
-            return hit, hit_tokens
+            return hit, hit_tokens, False
         by_position = sorted(((pos, g), b) for g, group in enumerate(longer)
                              for pos, b in enumerate(group) if isinstance(b, _Pending))
         held = {b.block_hash for group in longer for b in group
                 if not isinstance(b, _Pending) and not b.is_null}
-        self._home([b for _, b in by_position], held)
-        return self.cpu.find_hit(block_hashes, first, max_tokens)
+        homed = self._home([b for _, b in by_position], held, lossless)
+        return (*self.cpu.find_hit(block_hashes, first, max_tokens),
+                homed < len(by_position) and lossless)
 
-    def _home(self, wanted: list[_Pending], keep: set[Any]) -> None:
+    def _home(self, wanted: list[_Pending], keep: set[Any], lossless: bool) -> int:
         """Fresh CPU blocks for ``wanted``, first to last as far as there is room,
-        published now. They evict what any rescue would (blocks that evict nothing
-        first, then the eviction policy's pick; the hit's own blocks last): the block
-        a lookup asks for now is worth more than one that may be asked for later."""
+        published now; how many. They evict what any rescue would (blocks that evict
+        nothing first, then, unless ``lossless``, the eviction policy's pick; the hit's
+        own blocks last): the block a lookup asks for now is worth more than one that
+        may be asked for later."""
         room = self.room.grant(RoomKind.RESCUES, len(wanted))
-        blocks = self.cpu.allocate(room, keep=keep)
+        blocks = self.cpu.allocate(room, keep=keep, for_device_blocks=lossless)
         rescues = [Rescue(b.gpu_id, b.block_hash) for b in wanted[:len(blocks)]]
         hashes = [r.block_hash for r in rescues]
         self.cpu.publish(blocks, hashes)
@@ -84,6 +95,7 @@ class RescueHomes:
         self._rescues += rescues
         self._blocks += blocks
         self.num_homed += len(blocks)
+        return len(blocks)
 
     def take(self) -> tuple[list[Rescue], list[KVCacheBlock]]:
         """The step's homed rescues and their CPU blocks (pinned), for its rescue job."""

@@ -25,6 +25,9 @@ TIGHT = dict(num_gpu_blocks=20, cpu_blocks=21, **CHUNK)
 # neither holds them, both together do (while a load of 5 blocks is allocated and
 # 4 more are the device's eviction window).
 ROOMY = dict(num_gpu_blocks=30, cpu_blocks=25, **CHUNK)
+# 14 documents (56 blocks) on a device of 39 usable blocks and a CPU tier of 24, the
+# whole burst admitted in one step.
+BURST = dict(num_gpu_blocks=40, cpu_blocks=25, max_num_batched_tokens=2048)
 
 
 def _docs(n, seed=0):
@@ -216,6 +219,88 @@ def test_a_burst_rescues_into_the_cpu_blocks_of_its_own_loads(make_engine, monke
     assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
     assert engine.model.checked_tokens > 0
     engine.assert_idle()
+
+
+def _burst_with_homes(engine):
+    """Each of 14 documents alone, then all at once; (the burst's lookups that asked
+    again for a hand-over, the blocks lost from both tiers)."""
+    tiers = Tiers(engine)
+    _one_at_a_time(engine, tiers, _docs(14), "a")
+    waits = []
+    homes = engine.offload.stores.homes
+    extend_hit = homes.extend_hit
+
+    def watched(*args, **kwargs):
+        out = extend_hit(*args, **kwargs)
+        waits.append(out[2])
+        return out
+    homes.extend_hit = watched
+    burst = [engine.add(f"b{i}", d, max_tokens=2) for i, d in enumerate(_docs(14))]
+    tiers.run()
+    assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
+    assert engine.model.checked_tokens > 0
+    engine.assert_idle()
+    return sum(waits), tiers.lost
+
+
+def test_a_lookup_leaves_to_the_hand_over_what_it_would_evict_for(make_engine, monkeypatch):
+    """A burst with homes at lookups (scheduler/rescue_homes.py) and synchronous loads:
+    a later request of the step asking for a block the device just handed out homes it
+    only into room that evicts no block only the CPU tier holds, and otherwise asks
+    again next step, when the hand-over has put the block in a load's CPU block. Fewer
+    blocks leave both tiers than where the lookups home into any room (the control),
+    every read is checked. (With asynchronous loads a lookup homes as the control does:
+    the hand-over's rescues may land after the next lookups.)"""
+    from kvoffload_hal.scheduler.core import OffloadScheduler
+
+    engine = make_engine("cpu", **BURST, extra_config={"device_copies": "drop"})
+    assert engine.offload.caps.sync_loads
+    waits, lost = _burst_with_homes(engine)
+    assert waits and engine.offload.totals.data["blocks_handed_over"] > 0
+    monkeypatch.setattr(OffloadScheduler, "_hand_over_homes_rescues", lambda self: False)
+    control = make_engine("cpu", **BURST, extra_config={"device_copies": "drop"})
+    control_waits, control_lost = _burst_with_homes(control)
+    assert control_waits == 0
+    assert len(lost) < len(control_lost)
+
+
+def test_a_lookup_homes_no_rescue_into_room_that_evicts_what_only_the_cpu_tier_holds(
+        make_engine, monkeypatch):
+    """Device and CPU tier hold 14 documents between them, each in one. Two documents
+    the CPU tier alone holds are loaded, and their device blocks are those of the two
+    oldest documents the device holds, which two later requests of the same step ask
+    for: the lookups home those rescues only into room that evicts nothing the CPU tier
+    alone holds, and ask again next step for the rest (the hand-over puts them in the
+    loads' CPU blocks). Every block is still in one tier or the other, but at most the
+    one that starts the hand-over's chain where every load needs a rescue (design.md).
+    The control homes into any room, as with asynchronous loads: it evicts what the CPU
+    tier alone held."""
+    from kvoffload_hal.scheduler.rescue_homes import RescueHomes
+
+    def held_blocks(control):
+        if control:
+            home = RescueHomes._home
+            monkeypatch.setattr(RescueHomes, "_home",
+                                lambda self, wanted, keep, lossless: home(self, wanted, keep,
+                                                                          False))
+        engine = make_engine("cpu", **BURST, extra_config={"device_copies": "drop"})
+        tiers = Tiers(engine)
+        docs = _docs(14)
+        first = _one_at_a_time(engine, tiers, docs, "a")
+        assert len(_hashes(tiers.cpu) | _hashes(tiers.device)) == 14 * DOC_BLOCKS
+        on_device = [i for i, r in enumerate(first) if tiers.held(r)[1] == DOC_BLOCKS]
+        cpu_only = [i for i, r in enumerate(first) if tiers.held(r) == (DOC_BLOCKS, 0)]
+        burst = [engine.add(f"b{i}", docs[i], max_tokens=2)
+                 for i in (*cpu_only[:2], *on_device[:2])]
+        tiers.run()
+        assert all(len(engine.outputs[r.request_id]) == 2 for r in burst)
+        assert engine.model.checked_tokens > 0
+        engine.assert_idle()
+        return len(_hashes(tiers.cpu) | _hashes(tiers.device))
+
+    held = held_blocks(control=False)
+    assert held >= 14 * DOC_BLOCKS - 1
+    assert held_blocks(control=True) < held
 
 
 def test_with_a_disk_tier_and_two_kv_cache_groups_every_block_is_written_and_comes_back(
