@@ -163,7 +163,7 @@ class OffloadScheduler:
         if self.stores.homes is not None:  # blocks the device handed out this step
             hit, hit_tokens, waits = self.stores.homes.extend_hit(
                 request.block_hashes, start, max_hit_tokens, hit, hit_tokens,
-                lossless=self._hand_over_homes_rescues())
+                lossless=self._hand_over_homes_rescues)
             if waits:
                 return None, False  # the step's hand-over homes the rest: ask later
         if hit_tokens > 0 and self.loads.wait_for_shared_load(req_id, hit):

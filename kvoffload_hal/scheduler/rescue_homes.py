@@ -24,7 +24,7 @@ asks again next step (``waits``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvoffload_hal.scheduler.hand_over import Rescue
@@ -56,11 +56,12 @@ class RescueHomes:
         self.num_homed = 0
 
     def extend_hit(self, block_hashes: Sequence[Any], first: int, max_tokens: int,
-                   hit: Hit, hit_tokens: int, lossless: bool = False,
+                   hit: Hit, hit_tokens: int, lossless: Callable[[], bool] = lambda: False,
                    ) -> tuple[Hit, int, bool]:
         """The CPU hit from hash ``first`` on, made longer by homing the pending rescues
-        that continue it (as far as the CPU tier has room; ``lossless``: room that evicts
-        no block only the CPU tier holds), and whether the request waits for the rest."""
+        that continue it (as far as the CPU tier has room; where ``lossless()``, room that
+        evicts no block only the CPU tier holds), and whether the request waits for the
+        rest."""
         pending = self.cpu.device_copies.pending
         if not pending or hit_tokens >= max_tokens:
             return hit, hit_tokens, False
@@ -76,9 +77,10 @@ class RescueHomes:
                              for pos, b in enumerate(group) if isinstance(b, _Pending))
         held = {b.block_hash for group in longer for b in group
                 if not isinstance(b, _Pending) and not b.is_null}
-        homed = self._home([b for _, b in by_position], held, lossless)
+        spare_only = lossless()
+        homed = self._home([b for _, b in by_position], held, spare_only)
         return (*self.cpu.find_hit(block_hashes, first, max_tokens),
-                homed < len(by_position) and lossless)
+                spare_only and homed < len(by_position))
 
     def _home(self, wanted: list[_Pending], keep: set[Any], lossless: bool) -> int:
         """Fresh CPU blocks for ``wanted``, first to last as far as there is room,
