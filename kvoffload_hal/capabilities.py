@@ -100,6 +100,18 @@ def sleeps_with_connectors() -> bool:
     return vllm_compat.SLEEP_WITH_CONNECTORS
 
 
+def loads_before_forward(scheduler_output: Any) -> bool:
+    """Whether vLLM's model runner starts the step's loads before its forward pass:
+    0.32 on says so per step (``has_sync_kv_loads``); older releases always do."""
+    return getattr(scheduler_output, "has_sync_kv_loads", True)
+
+
+def records_copies(offloading_stats: type) -> bool:
+    """Whether this vLLM's ``OffloadingConnectorStats`` keeps a record per copy
+    (``record_transfer``), which the GPU benchmark's meter reads."""
+    return hasattr(offloading_stats, "record_transfer")
+
+
 def sleep_refusal(config: OffloadConfig) -> str | None:
     """None where vLLM's sleep mode is safe with ``config``, else why not (one line).
 

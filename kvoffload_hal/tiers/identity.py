@@ -75,6 +75,8 @@ def rank_in_replica(world_rank: int, ranks_per_replica: int) -> int:
 def kv_fingerprint(vllm_config: VllmConfig, kv_tensors: Sequence[torch.Tensor],
                    num_blocks: int, rank: int, kv_cache_config: Any = None) -> bytes:
     """:data:`FINGERPRINT_BYTES` bytes naming what this worker's KV bytes depend on."""
+    from kvoffload_hal import vllm_compat  # vLLM at call time, not at import
+
     model, cache = vllm_config.model_config, vllm_config.cache_config
     parallel = vllm_config.parallel_config
     fields: dict[str, Any] = {
@@ -91,7 +93,7 @@ def kv_fingerprint(vllm_config: VllmConfig, kv_tensors: Sequence[torch.Tensor],
         "tensor_parallel_size": parallel.tensor_parallel_size,
         "pipeline_parallel_size": parallel.pipeline_parallel_size,
         "rank": rank,
-        "hash_algo": getattr(cache, "prefix_caching_hash_algo", None),
+        "hash_algo": vllm_compat.prefix_caching_hash_algo(vllm_config),
         "hash_seed": os.environ.get("PYTHONHASHSEED"),
     }
     encoded = json.dumps(fields, sort_keys=True, default=str).encode()

@@ -41,6 +41,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvoffload_hal import vllm_compat  # noqa: E402
+from kvoffload_hal.capabilities import loads_before_forward  # noqa: E402
 from kvoffload_hal.connector import HALOffloadConnector  # noqa: E402
 from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata  # noqa: E402
 
@@ -227,8 +228,7 @@ class Engine:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
         # As vLLM's model runner: synchronous loads before the forward pass.
-        # vLLM < 0.32 has no such flag and always calls start_load_kv before the pass.
-        load_first = getattr(so, "has_sync_kv_loads", True)
+        load_first = loads_before_forward(so)
         if load_first:
             for w in workers:
                 w.start_load_kv(None)

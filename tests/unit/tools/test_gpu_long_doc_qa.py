@@ -4,6 +4,7 @@ import inspect
 
 import pytest
 
+from kvoffload_hal.capabilities import records_copies
 from kvoffload_hal.eviction.registry import eviction_names, unregister_eviction
 
 gpu_qa = pytest.importorskip("gpu_long_doc_qa")
@@ -101,7 +102,7 @@ def test_upstream_copy_records_are_counted_as_another_process_would_send_them():
     ``reduce()`` and Prometheus logger refuse; the meter hands them on as dicts."""
     metrics = pytest.importorskip(
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics")
-    if not hasattr(metrics.OffloadingConnectorStats, "record_transfer"):
+    if not records_copies(metrics.OffloadingConnectorStats):
         pytest.skip("this vLLM's OffloadingConnectorStats keeps no per-copy records")
     stats = metrics.OffloadingConnectorStats()
     stats.record_transfer(100, 0.5, ("CPU", "GPU"))
