@@ -192,10 +192,9 @@ class OffloadScheduler:
         return hit_tokens, not self.caps.sync_loads
 
     def _hand_over_homes_rescues(self) -> bool:
-        """Whether this step's hand-over can home its rescues in a load's CPU blocks and
-        publish them before the next step's lookups (scheduler/rescue_homes.py)."""
-        return (self.hand_overs is not None and self.caps.sync_loads
-                and self.loads.has_planned())
+        """Whether this step's hand-over can home its rescues in a load's CPU blocks
+        (scheduler/rescue_homes.py)."""
+        return self.hand_overs is not None and self.loads.has_planned()
 
     def _note_async(self, request: Request) -> None:
         if self._track_landed:  # see _lets_landed_loads_in

@@ -14,12 +14,12 @@ rescue job. The worker copies them in ``bind_connector_metadata``, before any lo
 fails a load that reads a block whose rescue failed on that rank (``Unfilled``,
 :mod:`kvoffload_hal.worker.hand_over`).
 
-Fresh CPU blocks may evict blocks only the CPU tier holds. Where the step's loads run
-before its forward pass and one is planned already, the step's hand-over
-(:mod:`~kvoffload_hal.scheduler.hand_over`) can home the rescues in the CPU blocks of
-its loads instead, and publishes them before the next step's lookups. There a lookup
-homes only into blocks that evict no such block, and a request whose hit wants more
-asks again next step (``waits``).
+Fresh CPU blocks may evict blocks only the CPU tier holds. Where a load of the step is
+planned already, the step's hand-over (:mod:`~kvoffload_hal.scheduler.hand_over`) can
+home the rescues in the CPU blocks of its loads instead. There a lookup homes only into
+blocks that evict no such block, and a request whose hit wants more asks again next
+step (``waits``): by then its blocks are in the CPU tier, or (asynchronous loads) on
+their way, and it computes what is not there yet.
 """
 
 from __future__ import annotations

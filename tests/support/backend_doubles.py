@@ -54,6 +54,53 @@ class GatedCpuBackend(CpuCopyBackend):
         return super()._launch(direction, batch, fence)
 
 
+class LaggingCpuBackend(CpuCopyBackend):
+    """Jobs in flight for exactly one step, whatever the host's speed: a job is
+    reported by the first poll of a later step than the one that submitted it (steps
+    counted by ``step_done``), and never earlier. Where ``slow-cpu``'s sleep races the
+    engine's steps, this gives the same asynchronous copies in the same order on every
+    run."""
+
+    name = "lagging-cpu"
+    synchronous_compute = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._step = 0
+        self._submitted_in: dict[tuple, int] = {}
+        self._held: list = []
+
+    def step_done(self) -> None:
+        self._step += 1
+        super().step_done()
+
+    def submit(self, job):
+        self._submitted_in[(job.direction, job.job_id)] = self._step
+        return super().submit(job)
+
+    def poll(self):
+        due = []
+        for result in self._take_held() + super().flush():
+            key = (result.direction, result.job_id)
+            if self._submitted_in[key] < self._step:
+                due.append(result)
+                del self._submitted_in[key]
+            else:
+                self._held.append(result)
+        self._num_pending += len(self._held)
+        return due
+
+    def flush(self):
+        results = self._take_held() + super().flush()
+        for result in results:
+            self._submitted_in.pop((result.direction, result.job_id), None)
+        return results
+
+    def _take_held(self) -> list:
+        held, self._held = self._held, []
+        self._num_pending -= len(held)
+        return held
+
 class CountingCpuBackend(CpuCopyBackend):
     name = "counting-cpu"
 
@@ -127,8 +174,8 @@ class FencingCpuBackend(CpuCopyBackend):
         self.events.append(("forward-end",))
 
 
-for _cls in (SlowCpuBackend, BandwidthBoundCpuBackend, GatedCpuBackend, CountingCpuBackend,
-             FailingLoadsBackend, AsyncFailingLoadsBackend, FailingStoresBackend,
-             SwitchedStoresBackend, FencingCpuBackend):
+for _cls in (SlowCpuBackend, LaggingCpuBackend, BandwidthBoundCpuBackend, GatedCpuBackend,
+             CountingCpuBackend, FailingLoadsBackend, AsyncFailingLoadsBackend,
+             FailingStoresBackend, SwitchedStoresBackend, FencingCpuBackend):
     register_backend(_cls.name, f"{__name__}:{_cls.__name__}",
                      synchronous_compute=_cls.synchronous_compute)

@@ -243,47 +243,51 @@ def _burst_with_homes(engine):
     return sum(waits), tiers.lost
 
 
-def test_a_lookup_leaves_to_the_hand_over_what_it_would_evict_for(make_engine, monkeypatch):
-    """A burst with homes at lookups (scheduler/rescue_homes.py) and synchronous loads:
-    a later request of the step asking for a block the device just handed out homes it
-    only into room that evicts no block only the CPU tier holds, and otherwise asks
-    again next step, when the hand-over has put the block in a load's CPU block. Fewer
-    blocks leave both tiers than where the lookups home into any room (the control),
-    every read is checked. (With asynchronous loads a lookup homes as the control does:
-    the hand-over's rescues may land after the next lookups.)"""
-    from kvoffload_hal.scheduler.core import OffloadScheduler
+def _home_into_any_room(monkeypatch):
+    """The control: a lookup homes into any room and waits for nothing (as it did)."""
+    from kvoffload_hal.scheduler.rescue_homes import RescueHomes
 
-    engine = make_engine("cpu", **BURST, extra_config={"device_copies": "drop"})
-    assert engine.offload.caps.sync_loads
+    extend_hit = RescueHomes.extend_hit
+    monkeypatch.setattr(RescueHomes, "extend_hit",
+                        lambda self, *args, lossless=None: extend_hit(self, *args))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "lagging-cpu"])
+def test_a_lookup_leaves_to_the_hand_over_what_it_would_evict_for(make_engine, monkeypatch,
+                                                                  backend):
+    """A burst with homes at lookups (scheduler/rescue_homes.py): a later request of the
+    step asking for a block the device just handed out homes it only into room that
+    evicts no block only the CPU tier holds, and otherwise asks again later, once the
+    hand-over has put the block in a load's CPU block. Fewer blocks leave both tiers
+    than where the lookups home into any room (the control), with synchronous copies and
+    with asynchronous ones (``lagging-cpu``: in flight for one step on any host); every
+    read is checked."""
+    engine = make_engine(backend, **BURST, extra_config={"device_copies": "drop"})
     waits, lost = _burst_with_homes(engine)
     assert waits and engine.offload.totals.data["blocks_handed_over"] > 0
-    monkeypatch.setattr(OffloadScheduler, "_hand_over_homes_rescues", lambda self: False)
-    control = make_engine("cpu", **BURST, extra_config={"device_copies": "drop"})
+    _home_into_any_room(monkeypatch)
+    control = make_engine(backend, **BURST, extra_config={"device_copies": "drop"})
     control_waits, control_lost = _burst_with_homes(control)
     assert control_waits == 0
     assert len(lost) < len(control_lost)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "lagging-cpu"])
 def test_a_lookup_homes_no_rescue_into_room_that_evicts_what_only_the_cpu_tier_holds(
-        make_engine, monkeypatch):
+        make_engine, monkeypatch, backend):
     """Device and CPU tier hold 14 documents between them, each in one. Two documents
     the CPU tier alone holds are loaded, and their device blocks are those of the two
     oldest documents the device holds, which two later requests of the same step ask
     for: the lookups home those rescues only into room that evicts nothing the CPU tier
-    alone holds, and ask again next step for the rest (the hand-over puts them in the
-    loads' CPU blocks). Every block is still in one tier or the other, but at most the
-    one that starts the hand-over's chain where every load needs a rescue (design.md).
-    The control homes into any room, as with asynchronous loads: it evicts what the CPU
-    tier alone held."""
-    from kvoffload_hal.scheduler.rescue_homes import RescueHomes
-
+    alone holds, and ask again later for the rest (the hand-over puts them in the loads'
+    CPU blocks).
+    Every block is still in one tier or the other, but at most the one that starts the
+    hand-over's chain where every load needs a rescue (design.md). The control homes
+    into any room: it evicts what the CPU tier alone held."""
     def held_blocks(control):
         if control:
-            home = RescueHomes._home
-            monkeypatch.setattr(RescueHomes, "_home",
-                                lambda self, wanted, keep, lossless: home(self, wanted, keep,
-                                                                          False))
-        engine = make_engine("cpu", **BURST, extra_config={"device_copies": "drop"})
+            _home_into_any_room(monkeypatch)
+        engine = make_engine(backend, **BURST, extra_config={"device_copies": "drop"})
         tiers = Tiers(engine)
         docs = _docs(14)
         first = _one_at_a_time(engine, tiers, docs, "a")

@@ -42,7 +42,7 @@ def _burst(engine, homes=True, before_burst=lambda: None):
     return sum(engine.cached_tokens[r.request_id] // BS for r in burst)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "slow-cpu"])
+@pytest.mark.parametrize("backend", ["cpu", "lagging-cpu"])
 def test_a_block_the_device_hands_out_is_read_by_a_later_lookup_of_the_same_step(
         make_engine, backend):
     """With homes, the burst's later requests load blocks the device gave to its earlier

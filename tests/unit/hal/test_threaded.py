@@ -320,3 +320,25 @@ def test_independent_backends_from_several_threads():
         t.join(60)
     assert not errors, errors
     assert not any(t.is_alive() for t in threads)
+
+
+def test_the_lagging_double_reports_a_job_at_the_first_poll_of_a_later_step():
+    """``lagging-cpu`` (tests' backend doubles) keeps copies in flight for exactly one
+    step on any host: the engine tests that use it depend on it."""
+    from support.backend_doubles import LaggingCpuBackend
+
+    rig = make_rig(LaggingCpuBackend())
+    try:
+        backend = rig.backend
+        backend.submit(TransferJob(0, STORE, [1, 2], [0, 1]))
+        assert backend.poll() == [] and backend.num_pending == 1
+        backend.step_done()
+        backend.submit(TransferJob(0, LOAD, [0], [9]))
+        assert [(r.direction, r.job_id, r.ok) for r in backend.poll()] == [(STORE, 0, True)]
+        assert backend.num_pending == 1
+        rig.assert_stored([1, 2], [0, 1])
+        assert [(r.direction, r.job_id) for r in backend.flush()] == [(LOAD, 0)]
+        assert backend.num_pending == 0 and backend.poll() == []
+        assert torch.equal(rig.kv[9], rig.initial_device_block(0, 1))
+    finally:
+        rig.close()
