@@ -210,9 +210,8 @@ def local_replicas(parallel_config) -> int:
     each it is alone, but leaves it its local index: rank ``i`` then knows of
     ranks ``0..i``, and the last local rank of them all.
     """
-    size = getattr(parallel_config, "data_parallel_size_local", 1) or 1
-    index = getattr(parallel_config, "data_parallel_rank_local", None)
-    return max(size, (index or 0) + 1)
+    size = parallel_config.data_parallel_size_local or 1
+    return max(size, (parallel_config.data_parallel_rank_local or 0) + 1)
 
 
 def check_replicas(config: OffloadConfig, replicas: int, available: int) -> None:

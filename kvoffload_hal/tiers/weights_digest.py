@@ -59,11 +59,10 @@ SAFETENSORS_LENGTH = struct.Struct("<Q")  # the header length: little-endian u64
 
 def weights_digest(model_config: Any, download_dir: str | None = None) -> str:
     """A hex digest naming the weights ``model_config`` loads (see the module docstring)."""
-    for candidate in (getattr(model_config, "model_weights", None),
-                      getattr(model_config, "model", None)):
+    for candidate in (model_config.model_weights, model_config.model):
         if isinstance(candidate, (str, os.PathLike)) and candidate and os.path.exists(candidate):
             return local_weights_digest(os.path.realpath(candidate))
-    name, revision = getattr(model_config, "model", None), getattr(model_config, "revision", None)
+    name, revision = model_config.model, model_config.revision
     snapshot = _hub_snapshot(name, revision, download_dir) if isinstance(name, str) else None
     if snapshot is not None:
         return local_weights_digest(os.path.realpath(snapshot))

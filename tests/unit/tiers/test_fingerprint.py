@@ -73,11 +73,12 @@ def inputs(model_dir, monkeypatch):
     groups = [SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=["l0", "l1"])]
     return Inputs(
         vllm_config=SimpleNamespace(
-            model_config=SimpleNamespace(model=str(model_dir), revision=None, quantization=None,
-                                         dtype=torch.float16),
+            model_config=SimpleNamespace(model=str(model_dir), model_weights="", revision=None,
+                                         quantization=None, dtype=torch.float16),
             cache_config=SimpleNamespace(cache_dtype="auto", block_size=16,
                                          prefix_caching_hash_algo="sha256"),
-            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            load_config=SimpleNamespace(download_dir=None)),
         tensors=[kv_tensor(), kv_tensor()],
         kv_cache_config=SimpleNamespace(kv_cache_groups=groups))
 

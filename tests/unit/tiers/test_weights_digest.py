@@ -39,7 +39,7 @@ def model_dir(tmp_path):
 
 def digest(path) -> str:
     local_weights_digest.cache_clear()
-    return weights_digest(SimpleNamespace(model=str(path), revision=None))
+    return weights_digest(SimpleNamespace(model=str(path), model_weights="", revision=None))
 
 
 def test_untouched_weights_give_the_same_digest(model_dir):
@@ -122,7 +122,8 @@ def test_a_weight_file_of_another_size_changes_it_even_at_the_same_mtime(model_d
 def test_computed_once_per_folder(model_dir):
     first = digest(model_dir)
     (model_dir / "extra.pt").write_bytes(b"x")
-    assert weights_digest(SimpleNamespace(model=str(model_dir))) == first  # cached
+    again = SimpleNamespace(model=str(model_dir), model_weights="", revision=None)
+    assert weights_digest(again) == first  # cached
     assert digest(model_dir) != first
 
 
@@ -156,9 +157,9 @@ def test_a_hub_name_uses_its_local_snapshot_or_else_its_revision(tmp_path):
     (repo / "refs" / "main").write_text("a" * 40)
     (snapshot / "config.json").write_text("{}")
     write_safetensors(snapshot / "model.safetensors", HEADER, b"A" * 8)
-    hub = SimpleNamespace(model="org/tiny", revision=None)
+    hub = SimpleNamespace(model="org/tiny", model_weights="", revision=None)
     local_weights_digest.cache_clear()
     assert weights_digest(hub, str(tmp_path)) == digest(snapshot)
     assert weights_digest(hub, str(tmp_path / "empty")) == "revision:None"
-    assert weights_digest(SimpleNamespace(model="org/tiny", revision="v2"),
+    assert weights_digest(SimpleNamespace(model="org/tiny", model_weights="", revision="v2"),
                           str(tmp_path)) == "revision:v2"
