@@ -226,17 +226,26 @@ class OffloadScheduler:
             self.room.on_preempted(req_id)
         for release_unallocated in self._parts.release_unallocated:
             release_unallocated()
-        # The CPU room goes by scheduler/room.py's order, whichever asks first.
-        rescue, load = self.stores.rescue(self.cpu.device_copies.take_rescues(),
-                                          self.loads.take_job(), self.hand_overs)
-        self.staged.advance()
+        # The CPU room goes by scheduler/room.py's order, whichever asks first. A
+        # feature that is off (rescues, secondary tiers) is not called (parts.py).
+        rescue, load = None, self.loads.take_job()
+        if self.cpu.device_copies.rescues:
+            rescue, load = self.stores.rescue(self.cpu.device_copies.take_rescues(), load,
+                                              self.hand_overs)
+        if self.staged.active:
+            self.staged.advance()
         picker = self.stores.picker()
         self.policy.select(scheduler_output, picker)
         self.stores.queue(picker)
-        self.prefetch.step()
-        return OffloadMetadata(load=load, store=self.stores.take_job(), rescue=rescue,
-                               tiers=self.tiers.take_jobs(), rounds=self.staged.take_rounds(),
+        if self.prefetch.active:
+            self.prefetch.step()
+        meta = OffloadMetadata(load=load, store=self.stores.take_job(), rescue=rescue,
                                need_flush=bool(scheduler_output.preempted_req_ids))
+        if self.tiers.active:
+            meta.tiers = self.tiers.take_jobs()
+        if self.staged.active:
+            meta.rounds = self.staged.take_rounds()
+        return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -247,8 +256,9 @@ class OffloadScheduler:
                 self.loads.on_report(job, report)  # staged rounds are load jobs too
             for job, report in meta.stores.items():
                 self.stores.on_report(job, report)
-            self.tiers.on_reports(meta.tier)
-            self.tiers.on_found(meta.tier_found, meta.tier_scans_done)
+            if self.tiers.active:
+                self.tiers.on_reports(meta.tier)
+                self.tiers.on_found(meta.tier_found, meta.tier_scans_done)
         for on_transfer_results in self._parts.on_transfer_results:
             on_transfer_results(output)
         for req_id in output.finished_recving or ():
