@@ -30,7 +30,6 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import RequestStatus
 
 from kvoffload_hal.capabilities import resolve_capabilities
 from kvoffload_hal.config import OffloadConfig, check_capacity, num_cpu_blocks
@@ -39,6 +38,7 @@ from kvoffload_hal.metadata import OffloadMetadata, OffloadWorkerMetadata
 from kvoffload_hal.metrics import OffloadStats, StatsLedger
 from kvoffload_hal.scheduler.admission import LoadRoom
 from kvoffload_hal.scheduler.cpu_tier import CpuTier
+from kvoffload_hal.scheduler.landed_loads import LandedLoads
 from kvoffload_hal.scheduler.load_jobs import LoadJobs
 from kvoffload_hal.scheduler.parts import Parts
 from kvoffload_hal.scheduler.room import CpuRoom
@@ -106,14 +106,11 @@ class OffloadScheduler:
         self.prefetch = build_prefetcher(config, self.cpu, self.tiers, block_size, self.stats)
         self.room = LoadRoom(block_size, config.defer_loads_without_room
                              and len(kv_cache_config.kv_cache_groups) == 1)
+        self.landed = LandedLoads(self.caps.vllm.tracks_landed_loads())
         # Every event of a request's or a step's life goes to each part, in this order.
-        self._parts = Parts((self.prefetch, self.loads, self.staged, self.tiers, self.room))
+        self._parts = Parts((self.prefetch, self.loads, self.staged, self.tiers, self.room,
+                             self.landed))
         self.gpu_pool: BlockPool | None = None
-        # Requests answered with an asynchronous load, and those whose load landed
-        # (vLLM < 0.32: see _lets_landed_loads_in).
-        self._track_landed = self.caps.vllm.tracks_landed_loads()
-        self._async_loads: dict[str, Request] = {}
-        self._landed_loads: dict[str, Request] = {}
         logger.info(
             "HALOffloadConnector: CPU tier of %d blocks (%.2f GiB per rank), %s stores, "
             "%s loads", self.cpu.num_blocks, config.cpu_bytes_per_rank(self.world_size) / 2**30,
@@ -143,7 +140,7 @@ class OffloadScheduler:
         req_id = request.request_id
         for on_lookup in self._parts.on_lookup:
             on_lookup(req_id)
-        if self._landed_loads and self._lets_landed_loads_in():
+        if self.landed.holds_up_lookups():
             return None, False  # vLLM's scan goes on to the requests whose load landed
         if self.loads.in_flight(req_id):
             return None, False  # a load for this request is still in flight: ask later
@@ -176,7 +173,7 @@ class OffloadScheduler:
             if staged is None:
                 return None, False  # a staged hit brings these blocks: ask again later
             if staged:
-                self._note_async(request)
+                self.landed.note_async(request)
                 return staged, True  # longer than the CPU tier's room: loaded in rounds
             if self.tiers.lookup(
                     request, hit, (num_computed_tokens + hit_tokens) // self.block_size,
@@ -188,29 +185,13 @@ class OffloadScheduler:
             return None, False  # vLLM would preempt a request next step: ask later
         self.loads.hold_hit(req_id, hit, num_computed_tokens)
         if not self.caps.sync_loads:
-            self._note_async(request)
+            self.landed.note_async(request)
         return hit_tokens, not self.caps.sync_loads
 
     def _hand_over_homes_rescues(self) -> bool:
         """Whether this step's hand-over can home its rescues in a load's CPU blocks
         (scheduler/rescue_homes.py)."""
         return self.hand_overs is not None and self.loads.has_planned()
-
-    def _note_async(self, request: Request) -> None:
-        if self._track_landed:  # see _lets_landed_loads_in
-            self._async_loads[request.request_id] = request
-
-    def _lets_landed_loads_in(self) -> bool:
-        """Whether a request whose asynchronous load landed still waits for vLLM to
-        pick it up, where vLLM (< 0.32) stops scanning its waiting queue at the first
-        request it cannot allocate: every other lookup then asks again later, so the
-        scan reaches it. Otherwise a request ahead of it that needs the device blocks
-        it holds would stop the scan before it, every step. (vLLM 0.32 scans requests
-        holding blocks first: nothing is tracked there.)"""
-        for req_id, request in list(self._landed_loads.items()):
-            if request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                del self._landed_loads[req_id]
-        return bool(self._landed_loads)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -261,18 +242,12 @@ class OffloadScheduler:
                 self.tiers.on_found(meta.tier_found, meta.tier_scans_done)
         for on_transfer_results in self._parts.on_transfer_results:
             on_transfer_results(output)
-        for req_id in output.finished_recving or ():
-            request = self._async_loads.pop(req_id, None)
-            if request is not None:
-                self._landed_loads[req_id] = request
 
     # ------------------------------------------------------------ finishing
     def request_finished(self, request: Request,
                          block_ids: Sequence[list[int]]) -> tuple[bool, None]:
         """Returns True while a load for the request is in flight (blocks freed later)."""
         req_id = request.request_id
-        self._async_loads.pop(req_id, None)
-        self._landed_loads.pop(req_id, None)
         # Device blocks of stores are pinned by the store job, so they never
         # delay the request; a load in flight does.
         copying = [finished(req_id) for finished in self._parts.request_finished]
