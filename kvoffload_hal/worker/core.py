@@ -370,9 +370,9 @@ def _unique_tensors(kv_caches: dict[str, torch.Tensor | list[torch.Tensor]]) -> 
 
 def _rank() -> int:
     """This worker's global rank (0 outside a distributed run)."""
-    try:
-        from vllm.distributed.parallel_state import get_world_group
+    from vllm.distributed.parallel_state import get_world_group
 
+    try:
         return get_world_group().rank
-    except (ImportError, AssertionError, AttributeError):
+    except AssertionError:  # no world group: not a distributed run
         return 0

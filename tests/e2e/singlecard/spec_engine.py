@@ -54,7 +54,9 @@ def speculative_config(method: str, model: str, draft: str | None) -> dict:
 
 
 def spec_counters(llm) -> dict[str, float]:
-    values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    from vllm.v1.metrics.reader import Counter
+
+    values = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Counter)}
     return {k: values.get(f"vllm:spec_decode_{k}") or 0 for k in COUNTERS}
 
 

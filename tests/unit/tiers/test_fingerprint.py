@@ -174,14 +174,20 @@ def vllm_seeds_at_random(monkeypatch, hash_algo: str) -> bool:
         monkeypatch.setattr(hashing, "_xxhash", SimpleNamespace(
             xxh3_128_digest=lambda data: hashlib.blake2b(data, digest_size=16).digest()))
 
-    for name in ("NONE_HASH", "_NONE_HASH_SEED"):  # restored after the test
-        monkeypatch.setattr(kv_cache_utils, name, getattr(kv_cache_utils, name, None),
-                            raising=False)
-    hash_fn = hashing.get_hash_fn_by_name(hash_algo)
-    kv_cache_utils.init_none_hash(hash_fn)
-    first = kv_cache_utils.NONE_HASH
-    kv_cache_utils.init_none_hash(hash_fn)
-    return kv_cache_utils.NONE_HASH != first
+    # init_none_hash sets the module's globals, whichever this release has: all of
+    # them are put back as they were after.
+    state = vars(kv_cache_utils)
+    saved = dict(state)
+    try:
+        hash_fn = hashing.get_hash_fn_by_name(hash_algo)
+        kv_cache_utils.init_none_hash(hash_fn)
+        first = kv_cache_utils.NONE_HASH
+        kv_cache_utils.init_none_hash(hash_fn)
+        return kv_cache_utils.NONE_HASH != first
+    finally:
+        for name in set(state) - set(saved):
+            del state[name]
+        state.update(saved)
 
 
 @pytest.mark.parametrize("hash_algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])

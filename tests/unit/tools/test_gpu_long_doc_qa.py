@@ -56,8 +56,9 @@ def test_the_same_batch_limit_holds_every_request_eight_at_a_time():
 
 
 def test_the_upstream_keys_are_the_ones_this_vllm_reads():
-    spec_mod = pytest.importorskip("vllm.v1.kv_offload.cpu.spec")
-    factory = pytest.importorskip("vllm.v1.kv_offload.factory")
+    from vllm.v1.kv_offload import factory
+    from vllm.v1.kv_offload.cpu import spec as spec_mod
+
     source = inspect.getsource(spec_mod) + inspect.getsource(factory)
     for key in ("cpu_bytes_to_use", "eviction_policy", "spec_name"):
         assert f'"{key}"' in source, key
@@ -100,8 +101,8 @@ def test_the_plot_is_written(tmp_path):
 def test_upstream_copy_records_are_counted_as_another_process_would_send_them():
     """In one process vLLM 0.23's per-copy records are dataclasses, which its own
     ``reduce()`` and Prometheus logger refuse; the meter hands them on as dicts."""
-    metrics = pytest.importorskip(
-        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics")
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import metrics
+
     if not records_copies(metrics.OffloadingConnectorStats):
         pytest.skip("this vLLM's OffloadingConnectorStats keeps no per-copy records")
     stats = metrics.OffloadingConnectorStats()
