@@ -208,7 +208,7 @@ class OffloadScheduler:
         for release_unallocated in self._parts.release_unallocated:
             release_unallocated()
         # The CPU room goes by scheduler/room.py's order, whichever asks first. A
-        # feature that is off (rescues, secondary tiers) is not called (parts.py).
+        # feature that is off (rescues, secondary tiers, prefetch) is not called (parts.py).
         rescue, load = None, self.loads.take_job()
         if self.cpu.device_copies.rescues:
             rescue, load = self.stores.rescue(self.cpu.device_copies.take_rescues(), load,
