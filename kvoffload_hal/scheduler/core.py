@@ -195,7 +195,7 @@ class OffloadScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        self.policy.on_allocated(request, len(blocks.get_block_ids()))
+        self.policy.on_allocated(request, len(blocks.blocks))
         self.room.on_allocated(request)
         if not self.staged.on_allocated(request.request_id, blocks, num_external_tokens):
             self.loads.on_allocated(request.request_id, blocks, num_external_tokens)

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
@@ -153,6 +153,8 @@ class EagerPolicy(StorePolicy):
         self.group_block_sizes = list(group_block_sizes)
         self.cacheable_groups = list(cacheable_groups)
         self._cursors: dict[str, _Cursor] = {}
+        # Requests with a block to offer at a step that gives them no device block.
+        self._due: set[str] = set()
         # (device block id, its hash) of finished requests, not stored for want of room.
         self._leftovers: deque[tuple[int, Any]] = deque()
 
@@ -170,33 +172,55 @@ class EagerPolicy(StorePolicy):
         cursor = self._cursors.get(req_id)
         if cursor is not None:
             cursor.rewind(forget_blocks=True)
+            self._due.discard(req_id)  # due again with the blocks it resumes with
 
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
-        # Runs for every scheduled request on every step: most have no newly
-        # completed block, and leave after two comparisons.
+        # Runs every step: only requests that got device blocks, or still have one
+        # to offer (see _still_due), are looked at.
         if self._leftovers:
             self._offer_leftovers(picker)  # first: the device may evict them any time
-        cursors = self._cursors
+        due = self._due
+        for new_req in scheduler_output.scheduled_new_reqs:
+            if self._grow(new_req.req_id, new_req.block_ids):
+                self._look(new_req.req_id, picker)
         cached = scheduler_output.scheduled_cached_reqs
-        new_reqs = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
-        for req_id, new_block_ids in chain(new_reqs, zip(cached.req_ids, cached.new_block_ids)):
-            cursor = cursors.get(req_id)
-            if cursor is None:
-                continue
-            if new_block_ids:
-                for ids, new_ids in zip(cursor.block_ids, new_block_ids):
-                    if new_ids:
-                        ids.extend(new_ids)
-            request = cursor.request
-            # Built before the step runs: num_computed_tokens counts only KV
-            # written by earlier steps, which have finished.
-            confirmed = request.num_computed_tokens - request.num_output_placeholders
-            if confirmed >= cursor.next_boundary:
-                self._offer(cursor, cursor.block_ids, confirmed, picker)
+        grown = cached.new_block_ids
+        if any(grown):
+            for req_id, new_block_ids in zip(compress(cached.req_ids, grown),
+                                             filter(None, grown)):
+                self._grow(req_id, new_block_ids)
+        if due:
+            for req_id in [r for r in cached.req_ids if r in due]:
+                self._look(req_id, picker)
+
+    def _grow(self, req_id: str, new_block_ids: Sequence[list[int]] | None) -> bool:
+        """Add the device blocks the request got this step; whether it has a cursor."""
+        cursor = self._cursors.get(req_id)
+        if cursor is None:
+            return False
+        if new_block_ids:
+            for ids, new_ids in zip(cursor.block_ids, new_block_ids):
+                if new_ids:
+                    ids.extend(new_ids)
+            self._due.add(req_id)
+        return True
+
+    def _look(self, req_id: str, picker: BlockPicker) -> None:
+        """Offer the request's blocks confirmed full since it was last looked at."""
+        cursor = self._cursors[req_id]
+        request = cursor.request
+        # Built before the step runs: num_computed_tokens counts only KV
+        # written by earlier steps, which have finished.
+        confirmed = request.num_computed_tokens - request.num_output_placeholders
+        if confirmed >= cursor.next_boundary:
+            self._offer(cursor, cursor.block_ids, confirmed, picker)
+        if not self._still_due(cursor):
+            self._due.discard(req_id)
 
     def on_finished(self, request: Request, block_ids: Sequence[list[int]],
                     picker: BlockPicker) -> None:
         cursor = self._cursors.pop(request.request_id, None)
+        self._due.discard(request.request_id)
         if cursor is not None:
             # The request's last full block may have been computed in this very
             # step: offer it now, from the final block table, or it is lost.
@@ -206,6 +230,7 @@ class EagerPolicy(StorePolicy):
     def reset(self) -> None:
         for cursor in self._cursors.values():
             cursor.rewind(forget_blocks=False)
+        self._due.update(self._cursors)
         self._leftovers.clear()
 
     def has_pending(self) -> bool:
@@ -231,6 +256,15 @@ class EagerPolicy(StorePolicy):
             block = blocks[block_id]
             if block.block_hash == block_hash:  # not evicted since its request finished
                 picker.offer(block)
+
+    def _still_due(self, cursor: _Cursor) -> bool:
+        """Whether a block the request was not offered is before its group's last: a
+        token past it was scheduled, so it fills with no new device block. A block
+        found full is never its group's last (the step that finds it full schedules a
+        token past it, which allocates the group's next block), so a request not due
+        is looked at again when it gets a device block."""
+        return any(cursor.num_scanned[g] + 1 < len(cursor.block_ids[g])
+                   for g in self.cacheable_groups)
 
     def _num_ready(self, ids: Sequence[int], group: int, confirmed_tokens: int) -> int:
         """Device blocks of ``ids`` full of confirmed tokens."""
