@@ -45,13 +45,16 @@ from __future__ import annotations
 import argparse
 import gc
 import random
+import shutil
 import statistics
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 from scheduler_overhead_engine import (
     BLOCK_SIZE,
     CONNECTORS,
+    DISK_TIER_FACTOR,
     MAX_NUM_BATCHED_TOKENS,
     MODEL,
     MODEL_DIR,
@@ -126,8 +129,9 @@ def prefill_cpu_tier(scheduler, seed: int) -> int:
     return num_free
 
 
-def worker_output(connector: str, scheduler_output):
-    """What a synchronous worker would report for this step's transfers."""
+def worker_output(connector: str, scheduler_output, first_step: bool = False):
+    """What a synchronous worker would report for this step's transfers: (the output,
+    the loads that ended, whether a store ended)."""
     from vllm.v1.outputs import KVConnectorOutput
 
     meta = scheduler_output.kv_connector_metadata
@@ -135,8 +139,16 @@ def worker_output(connector: str, scheduler_output):
         from kvoffload_hal.metadata import JobReport, OffloadWorkerMetadata
 
         recving = set(meta.load.req_ids) if meta.load is not None else set()
-        worker_meta = (OffloadWorkerMetadata(stores={meta.store.job_id: JobReport()})
-                       if meta.store is not None else None)
+        worker_meta = OffloadWorkerMetadata(
+            stores={meta.store.job_id: JobReport()} if meta.store is not None else {},
+            # A disk tier (--disk-tier): every job and staged round done, the listing of
+            # the tier's files (empty) finished in the first step.
+            tier={(place, spec.job_id): JobReport() for place, jobs in enumerate(meta.tiers)
+                  for spec in (jobs.spill, jobs.promote, jobs.probe) if spec is not None},
+            rounds={r.job_id: JobReport() for r in meta.rounds if not r.final},
+            tier_scans_done=[place for place in range(len(meta.tiers)) if first_step])
+        recving.update(r.req_ids[0] for r in meta.rounds if r.final)
+        stored, worker_meta = meta.store is not None, worker_meta or None
     else:
         from vllm.v1.simple_kv_offload.metadata import (
             INVALID_JOB_ID,
@@ -144,21 +156,23 @@ def worker_output(connector: str, scheduler_output):
         )
 
         recving = {r for reqs in meta.load_event_to_reqs.values() for r in reqs}
-        worker_meta = (SimpleCPUOffloadWorkerMetadata({meta.store_event: 1})
-                       if meta.store_event != INVALID_JOB_ID else None)
+        stored = meta.store_event != INVALID_JOB_ID
+        worker_meta = SimpleCPUOffloadWorkerMetadata({meta.store_event: 1}) if stored else None
     return KVConnectorOutput(finished_recving=recving or None,
-                             kv_connector_worker_meta=worker_meta), len(recving), worker_meta
+                             kv_connector_worker_meta=worker_meta), len(recving), stored
 
 
 def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int,
               warmup_steps: int, seed: int, eviction: str = DEFAULT_EVICTION,
-              prefill: bool = False, time_eviction: bool = False) -> Point:
+              prefill: bool = False, time_eviction: bool = False,
+              disk_tier: bool = False) -> Point:
     from vllm.v1.outputs import ModelRunnerOutput
 
     blocks_per_request = -(-(DOC_TOKENS + QUESTION_TOKENS[1] + OUTPUT_TOKENS[1]) // BLOCK_SIZE)
     num_gpu_blocks = max(2 * blocks_per_request, int(DEVICE_FRACTION * live * blocks_per_request))
+    disk_dir = tempfile.mkdtemp(prefix="overhead-disk-") if disk_tier else None
     vllm_config = make_vllm_config(model, connector, max_num_seqs=max(live, 16),
-                                   eviction=eviction)
+                                   eviction=eviction, disk_path=disk_dir)
     scheduler = make_scheduler(vllm_config, num_gpu_blocks, cpu_blocks)
     if prefill and connector == OURS:
         prefill_cpu_tier(scheduler, seed)
@@ -184,14 +198,14 @@ def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int
         req_ids = list(out.num_scheduled_tokens)
         sampled = [[SAMPLED_TOKEN] if (r := scheduler.requests[rid]).num_computed_tokens
                    >= r.num_tokens else [] for rid in req_ids]
-        kv_output, num_loads, stored = worker_output(connector, out)
+        kv_output, num_loads, stored = worker_output(connector, out, step == 0)
         before = len(scheduler.requests)
         scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled, kv_connector_output=kv_output))
         if measuring:
             point.loads += num_loads
-            point.stores += stored is not None
+            point.stores += stored
             point.preemptions += len(out.preempted_req_ids or ())
             point.finished += before - len(scheduler.requests)
     gc.enable()
@@ -199,6 +213,8 @@ def run_point(model: str, connector: str, cpu_blocks: int, live: int, steps: int
     point.calls = dict(timer.calls)
     if hooks is not None:
         point.extra["eviction_s"] = sum(hooks.seconds.values())
+    if disk_dir is not None:
+        shutil.rmtree(disk_dir)
     return point
 
 
@@ -216,6 +232,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill", action="store_true",
                         help="start with our CPU tier full of blocks no request uses "
                              "(ours only: compare eviction policies on a full tier)")
+    parser.add_argument("--disk-tier", action="store_true",
+                        help="ours with a disk tier behind the CPU tier (upstream has none); "
+                             "the workers' reports of its jobs are faked, no file is written")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per point, connectors alternating (--memory: processes per "
                              "row, policies alternating, medians kept)")
@@ -257,7 +276,8 @@ def measure(args: argparse.Namespace, model: str) -> tuple[list[Point], list[Poi
             for _ in range(args.repeats):  # alternate the variants
                 for name, eviction in variants:
                     p = run_point(model, name, nb, live, args.steps, args.warmup_steps,
-                                  args.seed, eviction, args.prefill, args.compare_eviction)
+                                  args.seed, eviction, args.prefill, args.compare_eviction,
+                                  args.disk_tier)
                     p.extra["eviction"] = eviction
                     runs[name, eviction].append(p)
             for (name, eviction), ps in runs.items():
@@ -328,6 +348,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefill:
         name, title = "scheduler_overhead_full_tier", title + ", CPU tier full of unused blocks"
         setup += "; our CPU tier starts full of blocks no request reads"
+    if args.disk_tier:
+        name, title = name + "_disk_tier", title + ", ours with a disk tier"
+        setup += (f"; ours with a disk tier of {DISK_TIER_FACTOR} CPU tiers behind the CPU "
+                  "tier (its jobs reported done, no file written)")
     name += f"_{args.tag}" if args.tag else ""
     (args.out_dir / f"{name}.md").write_text(
         f"# {title}\n\n{setup}.\n\n{table}\n\n![plot]({name}.png)\n")

@@ -17,6 +17,8 @@ MODEL = TinyModelSpec()  # only its config is read: 2 layers, 2 KV heads, head_d
 BLOCK_SIZE = 32
 MAX_NUM_BATCHED_TOKENS = 8192
 
+DISK_TIER_FACTOR = 8  # a disk tier (--disk-tier) of this many CPU tiers
+
 CONNECTORS = {
     OURS: dict(kv_connector=OURS, kv_connector_module_path="kvoffload_hal.connector"),
     UPSTREAM: dict(kv_connector=UPSTREAM),
@@ -24,7 +26,8 @@ CONNECTORS = {
 
 
 def make_vllm_config(model: str, connector: str, max_num_seqs: int,
-                     eviction: str = DEFAULT_EVICTION):
+                     eviction: str = DEFAULT_EVICTION, disk_path: str | None = None):
+    """``disk_path`` (ours): a disk tier there behind the CPU tier (see make_scheduler)."""
     set_inprocess_env()
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -43,6 +46,8 @@ def make_vllm_config(model: str, connector: str, max_num_seqs: int,
                                         "allow_overcommit": True}
                                        if connector == "HALOffloadConnector" else {})),
     )
+    if disk_path is not None and connector == "HALOffloadConnector":
+        args.kv_transfer_config.kv_connector_extra_config["disk_path"] = disk_path
     config = args.create_engine_config()
     # The engine core resolves the layout from the attention backend; no backend runs here.
     config.cache_config.kv_cache_layout = "LBHNC"
@@ -68,5 +73,7 @@ def make_scheduler(vllm_config, num_gpu_blocks: int, num_cpu_blocks: int):
     # Both connectors size the CPU tier as bytes // (device bytes per block).
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     extra["cpu_bytes_to_use"] = num_cpu_blocks * bytes_per_block
+    if "disk_path" in extra:  # no block is written: the workers' reports are faked
+        extra["disk_bytes_to_use"] = DISK_TIER_FACTOR * num_cpu_blocks * bytes_per_block
     return Scheduler(vllm_config, kv_cache_config, StructuredOutputManager(vllm_config),
                      block_size=BLOCK_SIZE)

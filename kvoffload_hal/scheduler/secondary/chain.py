@@ -12,6 +12,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
 from kvoffload_hal.config import device_bytes_per_block
 from kvoffload_hal.scheduler.parts import RequestPart
 from kvoffload_hal.scheduler.room import RoomKind
@@ -44,6 +46,10 @@ class TierChain(RequestPart):
         self.reads = reads
         self.room = reads.room
         self.active = bool(self.tiers)
+        cpu = reads.cpu
+        # vLLM's lookup ends every hit at the first block a full-attention group lacks.
+        self._bounding = [g for g in cpu.dense_groups if g in cpu.prefix_groups]
+        self._asks_store = any(isinstance(tier, SharedTier) for tier in self.tiers)
 
     @classmethod
     def build(cls, specs: Sequence[TierSpec], running: Sequence[str],
@@ -94,11 +100,33 @@ class TierChain(RequestPart):
         for tier in self.tiers:
             tier.on_published(blocks, hashes)
 
+    def may_extend(self, block_hashes: Sequence[Any], first_block: int, end_block: int,
+                   ) -> bool:
+        """Whether a tier may extend a CPU hit that ends at block ``first_block`` (hashes
+        up to ``end_block``). False only where no tier asks a store (a shared tier's
+        lookup may) and a full-attention group's block at ``first_block`` is in neither
+        the CPU tier nor any tier's index (a block being read stays there): vLLM's
+        lookup over them would end there too, so a lookup skips planning it (walks of
+        vLLM's lookup, each time a request waits), and waits for no read of a later
+        block, which could not extend its hit."""
+        if self._asks_store or not self._bounding:
+            return True
+        if first_block >= min(end_block, len(block_hashes)):
+            return False
+        block_hash, cpu = block_hashes[first_block], self.reads.cpu
+        for g in self._bounding:
+            key = make_block_hash_with_group_id(block_hash, g)
+            if not cpu.holds(key) and not any(t.index.is_ready(key.hex()) for t in self.tiers):
+                return False
+        return True
+
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
                kind: RoomKind = RoomKind.PROMOTIONS, max_blocks: int | None = None) -> bool:
         """After a CPU hit: True when the request asks again later, because the nearest
         tier holding the blocks after it promotes them (or asks its store)."""
         self.release_promoted(request.request_id)
+        if not self.may_extend(request.block_hashes, first_block, end_block):
+            return False
         return any(tier.lookup(request, hit, first_block, end_block, kind, max_blocks)
                    for tier in self.tiers)
 

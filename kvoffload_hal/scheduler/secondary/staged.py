@@ -86,8 +86,12 @@ class StagedHits(RequestPart):
         if max_hit_tokens <= hit_tokens:  # a check stopped within the CPU hit
             self.checks.forget(req_id)
             return 0
-        run = request.block_hashes[(num_computed_tokens + hit_tokens) // bs:
-                                   (num_computed_tokens + max_hit_tokens) // bs]
+        first = (num_computed_tokens + hit_tokens) // bs
+        end = (num_computed_tokens + max_hit_tokens) // bs
+        if not self.tiers.may_extend(request.block_hashes, first, end):
+            self.checks.forget(req_id)
+            return 0  # no tier holds the block after the CPU hit
+        run = request.block_hashes[first:end]
         # (A hit on busy CPU blocks waited already: LoadJobs.wait_for_shared_load.)
         if self.reads.brings_for_another(self.groups.keys(run), req_id):
             self.loads.note_wait(req_id)
