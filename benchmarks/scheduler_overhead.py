@@ -21,6 +21,8 @@ Only the connector's scheduler calls are timed (``perf_counter`` around
 ``take_events``, ``get_kv_connector_stats``); vLLM's own scheduling is not.
 Prints a table and writes ``docs/benchmarks/scheduler_overhead.{md,png}``.
 
+``--disk-tier`` runs ours with a disk tier behind the CPU tier (upstream has none): the
+fake worker reports its jobs and staged rounds done, and no file is written.
 ``--prefill`` starts our CPU tier full of blocks no request reads (stored as
 store jobs publish them): with ``--compare-eviction`` it compares the eviction
 policies on a full tier, per step, in CPU-tier loads and in the time spent in the
@@ -35,6 +37,7 @@ CPU-tier size (``scheduler_overhead_memory.py``; writes
     python benchmarks/scheduler_overhead.py [--cpu-blocks 1000 10000 100000]
                                             [--requests 10 100 1000] [--steps 150] [--repeats 3]
                                             [--prefill] [--compare-eviction] [--quick]
+                                            [--disk-tier]
                                             [--keep median] [--warmup-steps 0] [--tag NAME]
     python benchmarks/scheduler_overhead.py --memory [--memory-blocks 10000 100000 1000000 4000000]
                                             [--trace] [--repeats 3]

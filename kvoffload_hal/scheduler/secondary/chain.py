@@ -103,12 +103,9 @@ class TierChain(RequestPart):
     def may_extend(self, block_hashes: Sequence[Any], first_block: int, end_block: int,
                    ) -> bool:
         """Whether a tier may extend a CPU hit that ends at block ``first_block`` (hashes
-        up to ``end_block``). False only where no tier asks a store (a shared tier's
-        lookup may) and a full-attention group's block at ``first_block`` is in neither
-        the CPU tier nor any tier's index (a block being read stays there): vLLM's
-        lookup over them would end there too, so a lookup skips planning it (walks of
-        vLLM's lookup, each time a request waits), and waits for no read of a later
-        block, which could not extend its hit."""
+        up to ``end_block``): not where no tier asks a store and a full-attention group's
+        block there is in neither the CPU tier nor a tier's index, since vLLM's lookup
+        ends a hit there (docs/design.md, "A chain of tiers")."""
         if self._asks_store or not self._bounding:
             return True
         if first_block >= min(end_block, len(block_hashes)):
