@@ -136,9 +136,7 @@ def replay_all(trace: Trace, capacity: int,
     for name in policies:
         hits[name] = replay_tier(make_replay_tier(capacity, name), trace)
     for name in ("lru", "arc"):
-        cls = vllm_policy_class(name)
-        if cls is not None:
-            hits[f"vllm-{name}"] = replay_vllm_policy(cls, trace, capacity)
+        hits[f"vllm-{name}"] = replay_vllm_policy(vllm_policy_class(name), trace, capacity)
     return hits
 
 

@@ -49,9 +49,8 @@ class Timer:
         self.calls: dict[str, int] = defaultdict(int)
         self.enabled = False
         self._depth = 0
-        for name in names:
-            if hasattr(connector, name):
-                setattr(connector, name, self._wrap(name, getattr(connector, name)))
+        for name in names:  # every connector has them (KVConnectorBase_V1, SupportsHMA)
+            setattr(connector, name, self._wrap(name, getattr(connector, name)))
 
     def _wrap(self, name, fn):
         def timed(*args, **kwargs):

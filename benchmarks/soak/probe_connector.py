@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from kvoffload_hal.connector import HALOffloadConnector
+from kvoffload_hal.scheduler.secondary.shared import SharedTierIndex
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished", "take_events",
@@ -45,9 +46,7 @@ class SoakProbeConnector(HALOffloadConnector):
     # ------------------------------------------------------------ timing
     def _wrap_hooks(self) -> None:
         for name in HOOKS:
-            hook = getattr(self, name, None)
-            if hook is not None:
-                setattr(self, name, self._timed(hook, name == "build_connector_meta"))
+            setattr(self, name, self._timed(getattr(self, name), name == "build_connector_meta"))
 
     def _timed(self, hook: Any, ends_step: bool) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -65,9 +64,7 @@ class SoakProbeConnector(HALOffloadConnector):
     # ---------------------------------------------------------- counting
     def _count(self, owner: Any, name: str, counter: str, size: Any) -> None:
         """Wrap ``owner.name`` (an instance attribute) to add ``size(args, result)``."""
-        call = getattr(owner, name, None)
-        if call is None:
-            return
+        call = getattr(owner, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             result = call(*args, **kwargs)
@@ -85,8 +82,7 @@ class SoakProbeConnector(HALOffloadConnector):
 
     def _indexes(self) -> dict[str, Any]:
         """Each secondary tier's index, by the tier's name, nearest first."""
-        return {tier.names.name: tier.index for tier in self.scheduler.tiers
-                if getattr(tier, "index", None) is not None}
+        return {tier.names.name: tier.index for tier in self.scheduler.tiers}
 
     def _count_index(self, name: str, index: Any) -> None:
         """Keys in (``reserve``; ``learn`` and ``adopt``: net of the drops they cause)
@@ -102,10 +98,10 @@ class SoakProbeConnector(HALOffloadConnector):
             drop(keys)
             self._counts[evicted] += before - len(index)
         index.drop = dropping
-        for method in ("learn", "adopt"):
-            call = getattr(index, method, None)
-            if call is not None:
-                setattr(index, method, self._net_added(index, call, learned, evicted))
+        # A shared tier's index also learns keys an existence query found.
+        for method in ("learn", "adopt") if isinstance(index, SharedTierIndex) else ("adopt",):
+            setattr(index, method, self._net_added(index, getattr(index, method), learned,
+                                                   evicted))
 
     def _net_added(self, index: Any, call: Any, counter: str, evicted: str) -> Any:
         def added(*args: Any, **kwargs: Any) -> Any:

@@ -166,16 +166,12 @@ def replay_tier(tier: CpuTier, trace: Trace, hashes: KeyHashes | None = None) ->
     return hits
 
 
-def vllm_policy_class(name: str) -> Any | None:
-    """vLLM's offloading ``CachePolicy`` called ``name`` (``lru``, ``arc``), or None."""
-    try:
-        if name == "lru":
-            from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy as cls
-        else:
-            from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy as cls
-    except ImportError:
-        return None
-    return cls
+def vllm_policy_class(name: str) -> Any:
+    """vLLM's offloading ``CachePolicy`` called ``name`` (``lru``, ``arc``)."""
+    from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+    return LRUCachePolicy if name == "lru" else ARCCachePolicy
 
 
 def replay_vllm_policy(policy_cls: Any, trace: Trace, capacity: int) -> int:
@@ -232,7 +228,5 @@ def recorded_trace_hits(recorded: Sequence[tuple[Any, bool]], capacity: int) -> 
             "counts": count_oracle_hits(trace, capacity),
             "lru": replay_tier(make_replay_tier(capacity, "lru"), trace)}
     for name in ("lru", "arc"):
-        cls = vllm_policy_class(name)
-        if cls is not None:
-            hits[f"vllm-{name}"] = replay_vllm_policy(cls, trace, capacity)
+        hits[f"vllm-{name}"] = replay_vllm_policy(vllm_policy_class(name), trace, capacity)
     return hits

@@ -69,8 +69,8 @@ def _build(out_dir: str, kind: str, fields: dict, seed: int) -> str:
         torch_dtype=DTYPES[kind], initializer_range=0.2, **fields)
     model = model_cls(config)
     with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer, "linear_attn"):
+        for layer, layer_type in zip(model.model.layers, config.layer_types):
+            if layer_type == "linear_attention":  # Qwen3-Next's gated delta net
                 layer.linear_attn.A_log.fill_(math.log(GDN_DECAY))
     model.to(getattr(torch, DTYPES[kind])).save_pretrained(out_dir)
     write_stamp(out_dir, spec)
