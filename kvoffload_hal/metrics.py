@@ -49,8 +49,8 @@ COUNTERS: dict[str, str] = {
 }
 
 
-# A secondary tier's counters, named after the tier (``TierSpec.name``): the same
-# names for the built-in tiers as before (blocks_to_disk, mooncake_timeouts, ...).
+# A secondary tier's counters, named after the tier (``TierSpec.name``): for the
+# built-in tiers, blocks_to_disk, mooncake_timeouts, ...
 TIER_COUNTERS: dict[str, str] = {
     "blocks_to_{name}": "KV blocks written from the CPU tier to the {label}",
     "blocks_from_{name}": "KV blocks promoted from the {label} to the CPU tier",

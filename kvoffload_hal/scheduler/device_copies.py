@@ -9,7 +9,7 @@ of them. :class:`DeviceCopies` keeps the CPU blocks that are copies of device bl
 (by hash, with the device's own ``BlockPool`` as the judge) and, when the CPU tier
 must evict, puts such a copy first in line in place of a block only the CPU tier
 holds. The eviction policy (:mod:`kvoffload_hal.eviction.base`) orders everything
-else, as before.
+else.
 
 With ``drop`` a copy may go at any time: the device's own evictions are watched
 (:func:`~kvoffload_hal.vllm_compat.watch_allocations`), and a block the device hands

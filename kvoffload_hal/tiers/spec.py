@@ -108,8 +108,9 @@ class SchedulerHalf:
     capacity_blocks: int
     # The worker half reports blocks it kept from before a restart (take_found).
     rebuild: bool = False
-    # A tier shared across instances: how long a request waits for an existence
-    # query or a read before it recomputes; also the circuit breaker's first window.
+    # How long a read or a write of the tier is waited for: past it the request
+    # recomputes and the tier's circuit breaker opens (a tier shared across instances:
+    # also an existence query, and another request's read of the same blocks).
     wait_s: float = 2.0
     # A tier shared across instances that does not evict by itself (a disk every
     # instance writes its own files into): the entries the scheduler evicts are

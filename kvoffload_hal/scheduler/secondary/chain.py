@@ -1,6 +1,6 @@
 """The chain of secondary tiers behind the CPU tier, nearest first: what the scheduler calls.
 
-Each tier has its own index, jobs and (shared) breaker; they share one
+Each tier has its own index, jobs, wait and breaker; they share one
 :class:`~.reads.TierReads` and one room broker. docs/design.md ("A chain of tiers")
 states the rule: a block published in the CPU tier is written to every tier with room
 for it, and a hit is read from the nearest tier that holds it.
@@ -74,7 +74,7 @@ class TierChain(RequestPart):
             else:
                 tiers.append(PromotingTier(TierIndex(half.capacity_blocks), cpu, world_size,
                                            stats, rebuild=half.rebuild, names=names,
-                                           reads=reads))
+                                           reads=reads, wait_s=half.wait_s))
         return cls(tiers, reads)
 
     def __iter__(self):

@@ -6,6 +6,12 @@ read them they are published in the CPU prefix cache and kept for the request's 
 lookup. When no CPU block is free because copies in flight hold them, the request waits
 for those copies instead of recomputing. A key that failed to read ends the request's
 promotions there (it recomputes the rest).
+
+Every tier bounds its waits by its ``wait_s`` and has a circuit breaker
+(:mod:`.breaker`): a promotion in flight past the wait is given up (the request
+recomputes), a job in flight past it opens the breaker, and while the breaker is not
+closed the tier is skipped (lookups miss, spills are not sent) and its jobs in flight
+are no pending work: an idle engine does not step for a tier that stopped answering.
 """
 
 from __future__ import annotations
@@ -15,10 +21,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvoffload_hal.scheduler.room import CpuRoom, RoomKind
+from kvoffload_hal.scheduler.secondary.breaker import BreakerState
 from kvoffload_hal.scheduler.secondary.index import TierIndex
 from kvoffload_hal.scheduler.secondary.plan import GroupKeys, SlotPlan, SlotPlanner
 from kvoffload_hal.scheduler.secondary.reads import Entry, TierRead, TierReads, starved
-from kvoffload_hal.scheduler.secondary.spill import JobKind, SpillingTier, TierJob, TierNames
+from kvoffload_hal.scheduler.secondary.spill import (
+    DEFAULT_WAIT_S,
+    JobKind,
+    SpillingTier,
+    TierJob,
+    TierNames,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -28,20 +41,21 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.cpu_tier import CpuTier, Hit
     from kvoffload_hal.tiers.spec import BlockKey
 
+
 class PromotingTier(SpillingTier):
     """A tier's scheduler half: its spills, its promotions, the source of staged hits."""
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, rebuild: bool = False,
                  clock: Callable[[], float] = time.monotonic,
-                 names: TierNames = TierNames(), reads: TierReads | None = None) -> None:
+                 names: TierNames = TierNames(), reads: TierReads | None = None,
+                 wait_s: float = DEFAULT_WAIT_S) -> None:
         """``rebuild``: the workers report blocks kept from before a restart; ``reads``:
-        the chain's reads and room broker (of its own when alone)."""
-        super().__init__(index, cpu, world_size, stats, rebuild, names)
-        self._clock = clock
+        the chain's reads and room broker (of its own when alone); ``wait_s``: the
+        longest a read or a job of this tier is waited for (module docstring)."""
+        super().__init__(index, cpu, world_size, stats, rebuild, names, wait_s, clock)
         self.reads = reads if reads is not None else TierReads(cpu, CpuRoom(cpu), stats, clock)
         self.room = self.reads.room
-        self.read_wait_s: float | None = None  # a part in flight never times out
         self._room_wait_since: dict[str, float] = {}
         self._promoting: dict[str, TierRead] = {}  # a request's promotion in flight
         self._kept: dict[str, list[KVCacheBlock]] = {}  # until the request's next lookup
@@ -56,8 +70,9 @@ class PromotingTier(SpillingTier):
         self._copies_in_flight = copies_in_flight
 
     def may_stage(self) -> bool:
-        """Whether a hit may be staged now (a shared tier: while its breaker is closed)."""
-        return True
+        """Whether a hit may be staged now: while the breaker is closed (else lookups go
+        the breaker's way: skipped, or one of them probes)."""
+        return self.breaker.state is BreakerState.CLOSED
 
     def lookup(self, request: Request, hit: Hit, first_block: int, end_block: int,
                kind: RoomKind = RoomKind.PROMOTIONS, max_blocks: int | None = None) -> bool:
@@ -85,10 +100,50 @@ class PromotingTier(SpillingTier):
     def _promote(self, request: Request, hit: Hit, first_block: int, end_block: int,
                  kind: RoomKind, max_blocks: int | None) -> bool:
         req_id = request.request_id
-        if req_id in self._promoting:
-            return True
         if req_id in self._no_promotion:
             return False
+        if not self.breaker.allow(req_id):
+            return self._skip(req_id)
+        waits = self._promote_or_wait(request, hit, first_block, end_block, kind, max_blocks)
+        if not waits:
+            self.breaker.cancel(req_id)  # sent nothing: another request probes
+        return waits
+
+    def _promote_or_wait(self, request: Request, hit: Hit, first_block: int,
+                         end_block: int, kind: RoomKind, max_blocks: int | None) -> bool:
+        """Whether the request waits for its promotion, another request's, or room."""
+        read = self._promoting.get(request.request_id)
+        if read is not None:
+            if not self.reads.overdue(read):
+                return True
+            self._stop_promoting(request.request_id)  # completes (and is published) alone
+            return self._give_up(request.request_id)
+        return self._start_promotion(request, hit, first_block, end_block, kind, max_blocks)
+
+    def _give_up(self, req_id: str) -> bool:
+        """The request waited the tier's whole wait: it recomputes the rest."""
+        self.release_promoted(req_id)  # what it kept while waiting
+        self._no_promotion.add(req_id)
+        self.stats.record_tier(self.names.name, timeouts=1)
+        self.breaker.timeout()
+        return False
+
+    def _skip(self, req_id: str, waited: bool = False) -> bool:
+        """The breaker is open: a miss at once, and stop waiting for what was sent (a
+        timeout for a request that was waiting for the tier, a skip for the others)."""
+        waited = waited or req_id in self._promoting
+        self._stop_promoting(req_id)
+        self.release_promoted(req_id)
+        self._no_promotion.add(req_id)
+        if waited:
+            self.stats.record_tier(self.names.name, timeouts=1)
+        else:
+            self.stats.record_breaker(self.names.name, skipped=1)
+        return False
+
+    def _start_promotion(self, request: Request, hit: Hit, first_block: int,
+                         end_block: int, kind: RoomKind, max_blocks: int | None) -> bool:
+        req_id = request.request_id
         hashes = request.block_hashes
         hit_length = max((len(group) for group in hit), default=0)  # blocks, every group
         plan = self.planner.plan(hashes, first_block - hit_length,

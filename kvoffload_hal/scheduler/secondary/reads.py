@@ -7,7 +7,7 @@ the request's next lookup, a staged hit loads them in a round, a check lets them
 From start to end a read owns its keys (pinned in the index, and in the one owner map,
 so another request meeting them waits for it); a key that failed on any rank leaves the
 index and ends the read there; and one deadline (no room for :data:`MAX_ROOM_WAIT_S`, a
-part past the tier's read wait) stops it where it is (docs/design.md, "One read, one
+part past the tier's wait) stops it where it is (docs/design.md, "One read, one
 room").
 """
 
@@ -144,6 +144,7 @@ class TierReads:
         if read.part is not None:
             if self.overdue(read):
                 read.stop(read.next - len(read.part))  # read late: the rest is recomputed
+                self.stats.record_tier(read.source.names.name, timeouts=1)
             return True
         if read.over() or read.ended:
             return True
@@ -164,10 +165,8 @@ class TierReads:
         return True
 
     def overdue(self, read: TierRead) -> bool:
-        """Whether the part in flight is past its tier's read wait."""
-        wait_s = read.source.read_wait_s
-        return (read.part is not None and wait_s is not None
-                and self.clock() - read.since > wait_s)
+        """Whether the part in flight is past its tier's wait."""
+        return read.part is not None and self.clock() - read.since > read.source.wait_s
 
     def finish(self, job: TierJob, source: PromotingTier) -> None:
         """Every rank reported a part read from ``source``: failed keys leave its index,

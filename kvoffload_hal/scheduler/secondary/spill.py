@@ -4,10 +4,16 @@ A block published in the CPU tier is queued for the tier too (when the tier has 
 and stays referenced until every rank wrote it. Write-through, because vLLM's BlockPool
 evicts inside ``get_new_blocks`` without a hook: by the time a block is known to be
 evicted, its bytes are being overwritten.
+
+The tier's circuit breaker (:mod:`.breaker`) sees every job: one in flight past the
+tier's ``wait_s`` opens it, one that failed as a whole is an error (on a shared tier),
+any other a success. While it is not closed, spills are not sent but by its probe, and the jobs in
+flight are no pending work (they keep their CPU blocks until they really end).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -16,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvoffload_hal.metadata import JobReport, TierJobs, TierJobSpec
 from kvoffload_hal.scheduler.jobs import JobBook, RankTally
 from kvoffload_hal.scheduler.parts import RequestPart
+from kvoffload_hal.scheduler.secondary.breaker import BreakerState, CircuitBreaker
 from kvoffload_hal.scheduler.secondary.index import IndexRebuild, TierIndex
 from kvoffload_hal.tiers.spec import BlockKey
 
@@ -62,21 +69,73 @@ class TierStep:
     jobs: list[Any]
 
 
+# The longest a tier built without a wait of its own (SchedulerHalf.wait_s) is waited for.
+DEFAULT_WAIT_S = 10.0
+# The breaker's name for spills when they are its probe: a request id never is.
+SPILLS = "(spills)"
+
+
 class SpillingTier(RequestPart):
-    """The tier's jobs and spills; promotions are the subclass's (``_finish_promotion``)."""
+    """The tier's jobs, spills and breaker; promotions are the subclass's
+    (``_finish_promotion``)."""
+
+    # Whether jobs that fail as a whole open the breaker (a store that stopped taking
+    # calls), or only jobs past the wait do: a local tier's failures are its blocks'
+    # (missing, damaged, a full disk), and each drops its keys.
+    errors_open_breaker = False
 
     def __init__(self, index: TierIndex, cpu: CpuTier, world_size: int,
                  stats: StatsLedger, rebuild: bool = False,
-                 names: TierNames = TierNames()) -> None:
+                 names: TierNames = TierNames(), wait_s: float = DEFAULT_WAIT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.index = index
         self.names = names
         self.rebuild = IndexRebuild(index, world_size, names.label) if rebuild else None
         self.cpu = cpu
         self.stats = stats
+        self.wait_s = wait_s
+        self._clock = clock
         self._queued: list[TierJob] = []
         self._sent: JobBook[TierStep] = JobBook(world_size)
+        self._sent_at: dict[int, float] = {}  # jobs in flight not yet found overdue
+        self.breaker = CircuitBreaker(names.label, wait_s, self._on_breaker, clock=clock)
 
+    # ------------------------------------------------------- the breaker
+    def _on_breaker(self, old: BreakerState, new: BreakerState) -> None:
+        if new is BreakerState.OPEN:
+            self._sent_at.clear()  # what is in flight now is the frozen tier's: counted
+            opened = old is BreakerState.CLOSED
+            self.stats.record_breaker(self.names.name, opened=int(opened),
+                                      reopened=int(not opened))
+        elif new is BreakerState.CLOSED:
+            self.stats.record_breaker(self.names.name, closed=1)
+
+    def _note_overdue(self) -> None:
+        """A job in flight past the wait opens a closed breaker, once per job (a
+        half-open one times its probe out itself)."""
+        if self.breaker.state is not BreakerState.CLOSED:
+            return
+        now = self._clock()
+        for job_id, sent_at in list(self._sent_at.items()):
+            if job_id not in self._sent:
+                del self._sent_at[job_id]
+            elif now - sent_at > self.wait_s:
+                del self._sent_at[job_id]
+                self.breaker.timeout()
+                if self.breaker.state is not BreakerState.CLOSED:
+                    return
+
+    # ------------------------------------------------------------ spills
     def on_published(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
+        if not self.breaker.allow(SPILLS):  # not written: recomputed if wanted
+            self.stats.record_breaker(self.names.name, skipped=1)
+            return
+        queued = len(self._queued)
+        self._spill(blocks, hashes)
+        if len(self._queued) == queued:
+            self.breaker.cancel(SPILLS)  # nothing to write: a later caller probes
+
+    def _spill(self, blocks: list[KVCacheBlock], hashes: list[Any]) -> None:
         keys = [h.hex() for h in hashes]
         accepted = set(self.index.reserve(keys))
         chosen = [(k, b, h) for k, b, h in zip(keys, blocks, hashes) if k in accepted]
@@ -98,6 +157,7 @@ class SpillingTier(RequestPart):
                 yield from step.jobs
 
     def take_jobs(self) -> TierJobs:
+        self._note_overdue()
         spill, promote = (self._take(kind) for kind in (JobKind.SPILL, JobKind.PROMOTE))
         self._queued.clear()
         return TierJobs(spill, promote, tuple(self.index.take_evicted()))
@@ -107,6 +167,7 @@ class SpillingTier(RequestPart):
         if not jobs:
             return None
         job_id = self._sent.send(TierStep(kind, jobs))
+        self._sent_at[job_id] = self._clock()
         return TierJobSpec(job_id, [(k, b.block_id) for j in jobs
                                     for k, b in zip(j.keys, j.blocks)])
 
@@ -125,6 +186,11 @@ class SpillingTier(RequestPart):
 
     def _on_done(self, step: TierStep, tally: RankTally) -> None:
         """Every rank reported the step's jobs; a key failed if it failed on any rank."""
+        keys = {k for job in step.jobs for k in job.keys}
+        if not keys or not keys <= tally.failed_keys:
+            self.breaker.success()
+        elif self.errors_open_breaker:
+            self.breaker.error()
         for job in step.jobs:
             job.failed.update(tally.failed_keys.intersection(job.keys))
             if job.kind is JobKind.PROMOTE:
@@ -147,6 +213,9 @@ class SpillingTier(RequestPart):
             self.rebuild.on_found(keys, ranks_done)
 
     def has_pending(self) -> bool:
+        self._note_overdue()
+        if self.breaker.state is not BreakerState.CLOSED:
+            return bool(self._queued)  # jobs stuck on a broken tier are no work
         # A restarted tier's index fills while the engine steps, idle or not.
         return bool(self._queued or len(self._sent)
                     or (self.rebuild is not None and self.rebuild.pending))

@@ -56,11 +56,12 @@ from kvoffload_hal.tiers.spec import (
 logger = init_logger(__name__)
 
 RETENTIONS = ("keep", "remove")
-# With disk_shared: the longest a request waits for an existence query or a read
-# before it recomputes (and the circuit breaker's first window). A local disk
-# answers in milliseconds; this only bounds a hung one, as the CPU tier's own
-# wait for room does (scheduler/secondary/promotions.py: MAX_ROOM_WAIT_S).
-SHARED_WAIT_S = 10.0
+# The longest a read or a write of the disk tier is waited for: past it a request
+# recomputes, and the tier's circuit breaker opens (scheduler/secondary/breaker.py).
+# A local disk answers in milliseconds; this bounds a hung one (a network file
+# system that stopped answering), as the CPU tier's own wait for room does
+# (scheduler/secondary/reads.py: MAX_ROOM_WAIT_S).
+WAIT_S = 10.0
 
 
 class DiskTierSpec(TierSpec):
@@ -113,7 +114,7 @@ class DiskTierSpec(TierSpec):
         logger.info("HALOffloadConnector: disk tier of %d blocks at %s%s", blocks, self.path,
                     ", shared with the engines of the same fingerprint there"
                     if self.shared_across_instances else "")
-        return SchedulerHalf(blocks, rebuild=True, wait_s=SHARED_WAIT_S,
+        return SchedulerHalf(blocks, rebuild=True, wait_s=WAIT_S,
                              deletes_evicted=True)
 
     def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:

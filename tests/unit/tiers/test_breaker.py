@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from kvoffload_hal.scheduler.secondary.shared import BreakerState, CircuitBreaker
+from kvoffload_hal.scheduler.secondary.breaker import BreakerState, CircuitBreaker
 from support.clock import FakeClock
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
@@ -102,7 +102,7 @@ def test_a_late_success_while_open_closes(breaker):
 
 def test_each_transition_is_logged_once(breaker, caplog):
     b, clock, _ = breaker
-    caplog.set_level(logging.INFO, logger="kvoffload_hal.scheduler.secondary.shared")
+    caplog.set_level(logging.INFO, logger="kvoffload_hal.scheduler.secondary.breaker")
     b.timeout()
     for _ in range(5):  # many callers while open: no more lines
         b.allow("x")

@@ -72,7 +72,14 @@ def test_a_hybrid_hit_on_a_full_cpu_tier_is_recomputed_within_a_deadline(make_en
             "the hit waited for CPU room past its limit"
     finally:
         gate.set()
+    # Writes stuck past the disk tier's wait opened its breaker: while it is open they
+    # are no pending work (an idle engine does not step for them). The next request,
+    # after the breaker's window, probes the disk, and the late writes are reported.
+    assert engine.offload.totals.data["disk_breaker_opens"] == 1
+    clock.now += 60.0
+    _serve(engine, ("after", _doc(9, 2)))
     engine.drain()
+    assert engine.offload.totals.data["disk_breaker_closes"] == 1
     assert engine.outputs["again"] == engine.outputs["first"]
     assert engine.cached_tokens["again"] == 0  # recomputed, not served
     assert engine.offload.totals.data.get("staged_hits", 0) == 0

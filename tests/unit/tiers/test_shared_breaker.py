@@ -4,7 +4,7 @@ skips, the probe that closes it, and an engine that does not step for a frozen s
 import pytest
 
 from kvoffload_hal.metadata import JobReport
-from kvoffload_hal.scheduler.secondary.shared import BreakerState
+from kvoffload_hal.scheduler.secondary.breaker import BreakerState
 from support.shared_tier import TIMEOUT_S, shared_rig, tier_keys, waiting_request
 
 

@@ -2,7 +2,7 @@
 ends it: the request's own lookup, or the in-flight job found overdue at a step's
 take_jobs (a loaded host's slow step lets the job's check come first)."""
 
-from kvoffload_hal.scheduler.secondary.shared import BreakerState
+from kvoffload_hal.scheduler.secondary.breaker import BreakerState
 from support.shared_tier import TIMEOUT_S, shared_rig, waiting_request
 
 
