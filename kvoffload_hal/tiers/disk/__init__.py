@@ -16,6 +16,10 @@ key                    default     meaning
                                    the same fingerprint wrote under ``disk_path``
                                    (the data-parallel ranks of a host): lookups
                                    that miss ask the workers whether a file exists
+``disk_timeout_s``     ``10.0``    longest a read or a write of the disk is waited
+                                   for: past it the request recomputes and the
+                                   tier's circuit breaker opens (a file system that
+                                   stopped answering)
 =====================  ==========  =================================================
 
 Writes still in flight when an engine goes idle or stops get ``shutdown_flush_timeout_s``
@@ -41,7 +45,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from kvoffload_hal.config_values import boolean, one_of, positive_int
+from kvoffload_hal.config_values import boolean, one_of, positive_int, positive_seconds
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.tiers.disk.dirs import DIR_MODE, check_private_dir
 from kvoffload_hal.tiers.spec import (
@@ -56,11 +60,11 @@ from kvoffload_hal.tiers.spec import (
 logger = init_logger(__name__)
 
 RETENTIONS = ("keep", "remove")
-# The longest a read or a write of the disk tier is waited for: past it a request
-# recomputes, and the tier's circuit breaker opens (scheduler/secondary/breaker.py).
-# A local disk answers in milliseconds; this bounds a hung one (a network file
-# system that stopped answering), as the CPU tier's own wait for room does
-# (scheduler/secondary/reads.py: MAX_ROOM_WAIT_S).
+# disk_timeout_s's default: the longest a read or a write of the disk tier is waited
+# for, past which a request recomputes and the tier's circuit breaker opens
+# (scheduler/secondary/breaker.py). A local disk answers in milliseconds; this bounds
+# a hung one (a network file system that stopped answering), as the CPU tier's own
+# wait for room does (scheduler/secondary/reads.py: MAX_ROOM_WAIT_S).
 WAIT_S = 10.0
 
 
@@ -70,13 +74,15 @@ class DiskTierSpec(TierSpec):
     one_group_only = False  # one entry per (group, block): scheduler/secondary/plan.py
     switch_key = "disk_path"
     keys = ("disk_path", "disk_bytes_to_use", "disk_o_direct", "disk_retention",
-            "disk_shared")
+            "disk_shared", "disk_timeout_s")
 
     def __init__(self, path: str, bytes_to_use: int, o_direct: bool = False,
-                 retention: str = "keep", shared: bool = False) -> None:
+                 retention: str = "keep", shared: bool = False,
+                 timeout_s: float = WAIT_S) -> None:
         self.path = path
         self.bytes_to_use = bytes_to_use
         self.o_direct = o_direct
+        self.timeout_s = timeout_s
         self.keep = retention == "keep"
         # Per instance: the scheduler then builds the shared tier's own scheduler side, and
         # vLLM's sleep mode is refused (peers keep serving pre-sleep blocks).
@@ -88,10 +94,11 @@ class DiskTierSpec(TierSpec):
         retention = one_of("disk_retention", extra.get("disk_retention", "keep"),
                            RETENTIONS)
         shared = boolean("disk_shared", extra.get("disk_shared", False))
+        timeout_s = positive_seconds("disk_timeout_s", extra.get("disk_timeout_s", WAIT_S))
         path = extra.get("disk_path")
         if path is None:
             for key in ("disk_bytes_to_use", "disk_o_direct", "disk_retention",
-                        "disk_shared"):
+                        "disk_shared", "disk_timeout_s"):
                 if extra.get(key) not in (None, False):
                     raise ValueError(f"kv_connector_extra_config['{key}'] is set but "
                                      "'disk_path' is not: expected both for a disk tier")
@@ -102,7 +109,7 @@ class DiskTierSpec(TierSpec):
                              "'disk_bytes_to_use' is not: expected an integer number of bytes > 0")
         bytes_to_use = positive_int("disk_bytes_to_use", extra["disk_bytes_to_use"])
         _check_writable_dir(path)
-        return cls(path, bytes_to_use, o_direct, retention, shared)
+        return cls(path, bytes_to_use, o_direct, retention, shared, timeout_s)
 
     def capacity_claims(self, world_size: int) -> list[CapacityClaim]:
         return [CapacityClaim("disk_bytes_to_use", self.bytes_to_use // max(1, world_size),
@@ -114,7 +121,7 @@ class DiskTierSpec(TierSpec):
         logger.info("HALOffloadConnector: disk tier of %d blocks at %s%s", blocks, self.path,
                     ", shared with the engines of the same fingerprint there"
                     if self.shared_across_instances else "")
-        return SchedulerHalf(blocks, rebuild=True, wait_s=WAIT_S,
+        return SchedulerHalf(blocks, rebuild=True, wait_s=self.timeout_s,
                              deletes_evicted=True)
 
     def worker_half(self, ctx: WorkerTierContext) -> SecondaryTier:

@@ -1,7 +1,7 @@
 """A disk tier that stops answering (a hung file system) costs a recompute, never a hang.
 
-Every tier bounds its waits by its own (the disk tier's ``WAIT_S``, 10 s) and has a
-circuit breaker (scheduler/secondary/breaker.py). The scheduler runs on a clock the test
+Every tier bounds its waits by its own (the disk tier's ``disk_timeout_s``, 10 s unless
+set) and has a circuit breaker (scheduler/secondary/breaker.py). The scheduler runs on a clock the test
 moves (support.clock.install_clock): each engine step is half a second of it. The disk's
 reads or writes wait on an event the test sets at the end, as IO calls blocked in the
 kernel would.
@@ -15,18 +15,18 @@ from support.serving_rig import serve
 BS = 16
 PAGE = BS * 128
 STEP_S = 0.5  # of the fake clock, per engine step
-WAIT_STEPS = int(10.0 / STEP_S)  # the disk tier's wait, in steps
+WAIT_STEPS = int(10.0 / STEP_S)  # the disk tier's default wait, in steps
 
 
 def _doc(seed, blocks):
     return [(seed * 7 + i) % 89 + 1 for i in range(blocks * BS + 1)]
 
 
-def _disk_engine(make_engine, tmp_path, cpu_blocks):
+def _disk_engine(make_engine, tmp_path, cpu_blocks, **disk):
     engine = make_engine(cpu_blocks=cpu_blocks, num_gpu_blocks=24,
                          max_num_batched_tokens=4 * BS,
                          extra_config={"disk_path": str(tmp_path / "kv"),
-                                       "disk_bytes_to_use": 256 * PAGE})
+                                       "disk_bytes_to_use": 256 * PAGE, **disk})
     clock = FakeClock()
     assert install_clock(engine.offload, clock) > 0
     return engine, clock
@@ -79,18 +79,21 @@ def test_a_read_the_disk_never_answers_is_recomputed_after_the_wait(make_engine,
 def test_writes_the_disk_never_answers_stop_keeping_an_idle_engine_busy(make_engine,
                                                                        tmp_path):
     """Fails where a disk tier has no breaker: the stuck writes stay pending work."""
-    engine, clock = _disk_engine(make_engine, tmp_path, cpu_blocks=32)
+    engine, clock = _disk_engine(make_engine, tmp_path, cpu_blocks=32, disk_timeout_s=3.0)
     tier = engine.worker.worker.tiers.nearest
     gate = _hang(tier, "_store_batch")
     try:
+        stuck_since = clock.now
         engine.add("doc", _doc(1, 10))
         assert _steps_until_finished(engine, clock, "doc", 200) is not None
-        for _ in range(WAIT_STEPS + 2):  # idle steps while the writes are stuck
+        for _ in range(WAIT_STEPS):  # idle steps while the writes are stuck
             if engine.offload.totals.data.get("disk_breaker_opens"):
                 break  # the clock stops here: the breaker stays open
             engine.step()
             clock.now += STEP_S
         assert engine.offload.totals.data["disk_breaker_opens"] == 1
+        # Opened by disk_timeout_s (3 s after the first write was sent), not 10 s.
+        assert clock.now - stuck_since <= 3.0 + 4 * STEP_S
         assert not engine.offload.has_pending_transfers()  # stuck writes are no work
         # While the breaker is open (its first window: 1 s, the clock stopped), a new
         # request's blocks are not sent to the disk.
@@ -108,3 +111,18 @@ def test_writes_the_disk_never_answers_stop_keeping_an_idle_engine_busy(make_eng
     assert totals["disk_breaker_closes"] == 1 and totals["blocks_to_disk"] >= 10
     assert engine.outputs["doc"]
     engine.assert_idle()
+
+
+def test_disk_timeout_s_is_a_number_of_seconds_and_needs_disk_path(tmp_path):
+    import pytest
+
+    from kvoffload_hal.config import OffloadConfig
+
+    for bad in (0, -1, "5", True):
+        with pytest.raises(ValueError, match=r"disk_timeout_s'\]=.*expected a number of "
+                                             r"seconds > 0"):
+            OffloadConfig.from_extra_config({"disk_path": str(tmp_path),
+                                             "disk_bytes_to_use": 1 << 20,
+                                             "disk_timeout_s": bad})
+    with pytest.raises(ValueError, match=r"'disk_timeout_s'\] is set but 'disk_path' is not"):
+        OffloadConfig.from_extra_config({"disk_timeout_s": 3.0})
