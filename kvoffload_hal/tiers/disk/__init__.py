@@ -31,9 +31,11 @@ request (the workers list it and hand the keys over at start-up); the worker hal
 :class:`~kvoffload_hal.tiers.disk.worker.DiskTier`, one private directory per
 rank. Models with several KV cache groups keep one file per (group, block).
 
-With ``disk_shared`` the scheduler half is that of a tier shared across instances
+Every disk tier's reads and writes are bounded by ``disk_timeout_s``, past which the
+tier's circuit breaker opens (``scheduler/secondary/breaker.py``). With ``disk_shared``
+the scheduler half is that of a tier shared across instances
 (``scheduler/secondary/shared.py``: an existence query before a hit on blocks it did
-not write, bounded waits, the circuit breaker), except that the blocks it evicts
+not write, bounded too), except that the blocks it evicts
 are deleted, from its own directory only: each engine bounds its own files, and
 the engines on one ``disk_path`` hold at most the sum of their shares there.
 """

@@ -1,10 +1,10 @@
 """A disk tier that stops answering (a hung file system) costs a recompute, never a hang.
 
 Every tier bounds its waits by its own (the disk tier's ``disk_timeout_s``, 10 s unless
-set) and has a circuit breaker (scheduler/secondary/breaker.py). The scheduler runs on a clock the test
-moves (support.clock.install_clock): each engine step is half a second of it. The disk's
-reads or writes wait on an event the test sets at the end, as IO calls blocked in the
-kernel would.
+set) and has a circuit breaker (scheduler/secondary/breaker.py). The scheduler runs on a
+clock the test moves (support.clock.install_clock): each engine step is half a second of
+it. The disk's reads or writes wait on an event the test sets at the end, as IO calls
+blocked in the kernel would.
 """
 
 import threading
