@@ -9,7 +9,7 @@ connector's scheduler calls timed). Prints, per point, the median over rounds of
 connector's seconds per step in each tree and the median of the per-round ratios.
 
     python benchmarks/overhead_ab.py BASE_TREE NEW_TREE [--points 10000x100 ...]
-        [--rounds 7] [--steps 150] [--prefill]
+        [--rounds 7] [--steps 150] [--prefill] [--disk-tier]
 
 A tree is a checkout (``git worktree add /tmp/base <rev>``).
 """
@@ -31,14 +31,16 @@ import scheduler_overhead as so
 logging.getLogger("vllm").setLevel(logging.WARNING)
 model = so.build_tiny_llama(so.MODEL_DIR, so.MODEL)
 p = so.run_point(model, so.OURS, int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), 50, 0,
-                 prefill=sys.argv[5] == "1")
+                 prefill=sys.argv[5] == "1", disk_tier=sys.argv[6] == "1")
 print(json.dumps(sum(p.connector_s.values()) / p.steps))
 """
 
 
-def seconds_per_step(tree: str, blocks: int, live: int, steps: int, prefill: bool) -> float:
+def seconds_per_step(tree: str, blocks: int, live: int, steps: int, prefill: bool,
+                     disk_tier: bool = False) -> float:
     out = subprocess.run([sys.executable, "-c", RUN, tree, str(blocks), str(live), str(steps),
-                          "1" if prefill else "0"], check=True, capture_output=True, text=True)
+                          "1" if prefill else "0", "1" if disk_tier else "0"],
+                         check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--prefill", action="store_true")
+    parser.add_argument("--disk-tier", action="store_true",
+                        help="with a disk tier behind the CPU tier (both trees must have "
+                             "scheduler_overhead.py --disk-tier)")
     args = parser.parse_args(argv)
     points = [tuple(map(int, p.split("x"))) for p in args.points]
     times: dict[tuple[int, int], dict[str, list[float]]] = {
@@ -59,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         for p in points:
             order = [("base", args.base), ("new", args.new)]
             for name, tree in order if r % 2 == 0 else order[::-1]:
-                times[p][name].append(seconds_per_step(tree, *p, args.steps, args.prefill))
+                times[p][name].append(seconds_per_step(tree, *p, args.steps, args.prefill,
+                                                       args.disk_tier))
                 print(f"round {r + 1} {p[0]}x{p[1]} {name}: "
                       f"{times[p][name][-1] * 1e3:.3f} ms/step", file=sys.stderr, flush=True)
     print("| CPU blocks | live requests | base ms/step | new ms/step | new/base (median of "
