@@ -7,8 +7,8 @@ evicted, its bytes are being overwritten.
 
 The tier's circuit breaker (:mod:`.breaker`) sees every job: one in flight past the
 tier's ``wait_s`` opens it, one that failed as a whole is an error (on a shared tier),
-any other a success. While it is not closed, spills are not sent but by its probe, and the jobs in
-flight are no pending work (they keep their CPU blocks until they really end).
+any other a success. While it is not closed, spills are not sent but by its probe, and
+the jobs in flight are no pending work (they keep their CPU blocks until they end).
 """
 
 from __future__ import annotations
