@@ -163,7 +163,10 @@ def _check(model, outputs, summary, base):
     assert all(c >= summary["block"] for c in second), second  # served from our tier
     totals = summary["totals"]
     # All of it from the CPU tier (the counters say why not: a failed load, a wait).
-    assert [out[3] for out in outputs[NUM_DOCS:]] == second, totals
+    # On a mismatch, every counter and per request (cached, from the CPU tier): where
+    # the hit came from.
+    assert [out[3] for out in outputs[NUM_DOCS:]] == second, (
+        f"{totals}; per request: {[(out[0], out[3]) for out in outputs]}")
     assert summary["groups"] > 1
     assert totals["cpu_hit_tokens"] == sum(second)
     assert totals["blocks_loaded"] >= summary["groups"] * len(second)
