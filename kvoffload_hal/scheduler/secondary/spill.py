@@ -186,17 +186,24 @@ class SpillingTier(RequestPart):
 
     def _on_done(self, step: TierStep, tally: RankTally) -> None:
         """Every rank reported the step's jobs; a key failed if it failed on any rank."""
-        keys = {k for job in step.jobs for k in job.keys}
-        if not keys or not keys <= tally.failed_keys:
-            self.breaker.success()
-        elif self.errors_open_breaker:
-            self.breaker.error()
+        failed = tally.failed_keys  # empty unless a key failed: no set built then
+        if failed and self._all_failed(step, failed):
+            if self.errors_open_breaker:
+                self.breaker.error()
+        else:
+            self.breaker.success()  # a key read or written: the tier answers
         for job in step.jobs:
             job.failed.update(tally.failed_keys.intersection(job.keys))
             if job.kind is JobKind.PROMOTE:
                 self._finish_promotion(job)
             else:
                 self._finish_spill(job)
+
+    @staticmethod
+    def _all_failed(step: TierStep, failed: set[BlockKey]) -> bool:
+        """Whether every key of the step's jobs failed (and it had one)."""
+        keys = {k for job in step.jobs for k in job.keys}
+        return bool(keys) and keys <= failed
 
     def _finish_spill(self, job: TierJob) -> None:
         ok = [k for k in job.keys if k not in job.failed]
