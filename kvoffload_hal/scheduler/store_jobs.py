@@ -7,7 +7,8 @@ A store goes through three states:
 2. **sent**: the step's queued stores become one job in the metadata;
 3. **reported**: once every rank reported the job, its blocks are published in
    the CPU tier (and handed to a secondary tier), or, if a rank failed or
-   ``reset_cache`` ran meanwhile, dropped unpublished. Both pins go.
+   ``reset_cache`` ran meanwhile, dropped unpublished. Both pins go; device blocks
+   taken from the device's free queue (lazy stores) go back where they were in it.
 
 A device block, or a hash, with a store queued or sent is not picked again.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvoffload_hal import vllm_compat
 from kvoffload_hal.logger import init_logger
 from kvoffload_hal.metadata import HandOver, JobReport, LoadSpec, StoreSpec
 from kvoffload_hal.scheduler.cpu_tier import pin_ids, unpin_ids
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
     from kvoffload_hal.scheduler.secondary.chain import TierChain
 
 logger = init_logger(__name__)
+
+# A cached device block in the free queue and the hash it had (None: the queue's end).
+Anchor = tuple["KVCacheBlock", Any] | None
 
 
 class HandOvers(Protocol):
@@ -59,6 +64,9 @@ class _Store:
     pins_device: bool = True  # a rescue's device blocks belong to their new requests
     handed_over: bool = False  # a rescue into CPU blocks of its step's loads
     published: int = 0  # the first blocks, homed by a lookup, are published already
+    # Device blocks taken from the free queue (a lazy store), and the cached block that
+    # followed them there: they go back in front of it (see put_back).
+    from_free: list[tuple[list[KVCacheBlock], Anchor]] = field(default_factory=list)
 
 
 class StoreJobs:
@@ -122,11 +130,14 @@ class StoreJobs:
         chosen = picker.blocks[:len(cpu_blocks)]
         gpu_ids = [b.block_id for b in chosen]
         hashes = [b.block_hash for b in chosen]
+        free = [b for b in chosen if not b.ref_cnt]
+        from_free = [(free, next_cached(free[-1], set(gpu_ids)))] if free else []
         pin_ids(self._gpu_pool(), gpu_ids)
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)
         self._queued.append(_Store(gpu_ids, [b.block_id for b in cpu_blocks], hashes,
-                                   picker.prompt_ends.intersection(hashes)))
+                                   picker.prompt_ends.intersection(hashes),
+                                   from_free=from_free))
 
     def rescue(self, rescued: list[tuple[int, Any]], load: LoadSpec | None = None,
                hands: HandOvers | None = None) -> tuple[StoreSpec | None, LoadSpec | None]:
@@ -194,6 +205,7 @@ class StoreJobs:
             store.cpu_ids += queued.cpu_ids
             store.hashes += queued.hashes
             store.prompt_ends |= queued.prompt_ends
+            store.from_free += queued.from_free
         self._queued.clear()
         return StoreSpec(self._sent.send(store), store.gpu_ids, store.cpu_ids)
 
@@ -231,9 +243,46 @@ class StoreJobs:
         self.cpu.unpin_ids(store.cpu_ids)
         if store.pins_device:
             unpin_ids(self._gpu_pool(), store.gpu_ids)
+            for blocks, anchor in store.from_free:
+                put_back(self._gpu_pool(), blocks, anchor)
         self._in_flight_gpu.difference_update(store.gpu_ids)
         self._in_flight_hashes.difference_update(store.hashes)
 
     def _gpu_pool(self) -> BlockPool:
         assert self.gpu_pool is not None, "bind() was not called"
         return self.gpu_pool
+
+
+# ----------------------------------------------------------- the device's order
+def next_cached(block: KVCacheBlock, skip: set[int]) -> Anchor:
+    """The first block after ``block`` in the device's free queue that has a hash and is
+    not in ``skip`` (ids), with that hash; None at the queue's end."""
+    after = block.next_free_block
+    while after is not None and after.block_id >= 0:
+        if after.block_hash is not None and after.block_id not in skip:
+            return after, after.block_hash
+        after = after.next_free_block
+    return None
+
+
+def put_back(pool: BlockPool, blocks: list[KVCacheBlock], anchor: Anchor) -> None:
+    """Device blocks a store took from the free queue (``free_blocks`` just appended
+    them to its tail) go back where they were: right before ``anchor``, the cached
+    block that followed them, or at the head once vLLM evicted it (it would have
+    evicted them first). So storing a block never changes when the device evicts it."""
+    back = [b for b in blocks if not b.ref_cnt]  # a request took the others meanwhile
+    if not back or anchor is None:  # no cached block followed them: the tail is theirs
+        return
+    block, block_hash = anchor
+    ahead: list[KVCacheBlock] = []
+    if block.ref_cnt == 0 and block.block_hash == block_hash:  # still cached, free
+        returning = {b.block_id for b in back}
+        for queued in vllm_compat.iter_free_blocks(pool.free_block_queue):
+            if queued is block:
+                break
+            if queued.block_id not in returning:
+                ahead.append(queued)
+    queue = pool.free_block_queue
+    for b in [*ahead, *back]:
+        queue.remove(b)
+    queue.prepend_n([*ahead, *back])
