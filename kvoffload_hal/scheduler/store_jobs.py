@@ -268,8 +268,9 @@ def next_cached(block: KVCacheBlock, skip: set[int]) -> Anchor:
 def put_back(pool: BlockPool, blocks: list[KVCacheBlock], anchor: Anchor) -> None:
     """Device blocks a store took from the free queue (``free_blocks`` just appended
     them to its tail) go back where they were: right before ``anchor``, the cached
-    block that followed them, or at the head once vLLM evicted it (it would have
-    evicted them first). So storing a block never changes when the device evicts it."""
+    block that followed them, or at the head where it left the queue (vLLM evicted it
+    and would have evicted them first; or it is in use). So storing a block never
+    changes when the device evicts it."""
     back = [b for b in blocks if not b.ref_cnt]  # a request took the others meanwhile
     if not back or anchor is None:  # no cached block followed them: the tail is theirs
         return
