@@ -40,9 +40,21 @@ def skip_reason() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free now: each is held until all are chosen, so the
+    system never hands out one of them twice (ports asked for one after the other can
+    repeat, and a master whose metrics port was its RPC port exited at start-up)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class MooncakeMaster:
@@ -54,7 +66,7 @@ class MooncakeMaster:
     """
 
     def __init__(self, log_path: str | None = None, flags: tuple[str, ...] = ()) -> None:
-        self.port = free_port()
+        self.port, self.metrics_port = free_ports(2)
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         self.flags = tuple(flags)
@@ -66,7 +78,7 @@ class MooncakeMaster:
         log = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [binary, f"-rpc_port={self.port}", "-rpc_address=127.0.0.1",
-             f"-metrics_port={free_port()}", "-enable_metric_reporting=false",
+             f"-metrics_port={self.metrics_port}", "-enable_metric_reporting=false",
              "-default_kv_lease_ttl=500", *self.flags],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + MASTER_START_TIMEOUT_S

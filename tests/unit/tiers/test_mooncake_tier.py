@@ -213,3 +213,14 @@ def test_the_smallest_segment_the_config_accepts_is_the_clients_own_minimum(mast
         if codes[size] == 0:
             client.close()
     assert codes[MIN_SEGMENT_BYTES] == 0 and codes[MIN_SEGMENT_BYTES - 1] != 0, codes
+
+
+def test_a_test_masters_rpc_and_metrics_ports_differ():
+    """The ports of a test's master are held together while chosen: asked for one after
+    the other, the system once handed out the same free port twice, and the master
+    (metrics on its RPC port) exited right after it started."""
+    from support.mooncake_master import MooncakeMaster, free_ports
+
+    assert all(len(set(free_ports(3))) == 3 for _ in range(200))
+    master = MooncakeMaster()
+    assert master.port != master.metrics_port
