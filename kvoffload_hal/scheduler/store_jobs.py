@@ -64,9 +64,9 @@ class _Store:
     pins_device: bool = True  # a rescue's device blocks belong to their new requests
     handed_over: bool = False  # a rescue into CPU blocks of its step's loads
     published: int = 0  # the first blocks, homed by a lookup, are published already
-    # Device blocks taken from the free queue (a lazy store), and the cached block that
-    # followed them there: they go back in front of it (see put_back).
-    from_free: list[tuple[list[KVCacheBlock], Anchor]] = field(default_factory=list)
+    # Device blocks taken from the head of the free queue (a lazy store), the cached
+    # block that followed them there and the window: they go back (see put_back).
+    from_free: list[tuple[list[KVCacheBlock], Anchor, int]] = field(default_factory=list)
 
 
 class StoreJobs:
@@ -130,8 +130,10 @@ class StoreJobs:
         chosen = picker.blocks[:len(cpu_blocks)]
         gpu_ids = [b.block_id for b in chosen]
         hashes = [b.block_hash for b in chosen]
-        free = [b for b in chosen if not b.ref_cnt]
-        from_free = [(free, next_cached(free[-1], set(gpu_ids)))] if free else []
+        from_free = []
+        if picker.head_window:  # taken from the head of the device's free queue
+            anchor = next_cached(chosen[-1], set(gpu_ids))
+            from_free.append((chosen, anchor, picker.head_window))
         pin_ids(self._gpu_pool(), gpu_ids)
         self._in_flight_gpu.update(gpu_ids)
         self._in_flight_hashes.update(hashes)
@@ -243,8 +245,8 @@ class StoreJobs:
         self.cpu.unpin_ids(store.cpu_ids)
         if store.pins_device:
             unpin_ids(self._gpu_pool(), store.gpu_ids)
-            for blocks, anchor in store.from_free:
-                put_back(self._gpu_pool(), blocks, anchor)
+            for blocks, anchor, window in store.from_free:
+                put_back(self._gpu_pool(), blocks, anchor, window)
         self._in_flight_gpu.difference_update(store.gpu_ids)
         self._in_flight_hashes.difference_update(store.hashes)
 
@@ -265,12 +267,14 @@ def next_cached(block: KVCacheBlock, skip: set[int]) -> Anchor:
     return None
 
 
-def put_back(pool: BlockPool, blocks: list[KVCacheBlock], anchor: Anchor) -> None:
-    """Device blocks a store took from the free queue (``free_blocks`` just appended
-    them to its tail) go back where they were: right before ``anchor``, the cached
-    block that followed them, or at the head where it left the queue (vLLM evicted it
-    and would have evicted them first; or it is in use). So storing a block never
-    changes when the device evicts it."""
+def put_back(pool: BlockPool, blocks: list[KVCacheBlock], anchor: Anchor,
+             window: int) -> None:
+    """Device blocks a store took from the first ``window`` of the free queue
+    (``free_blocks`` just appended them to its tail) go back where they were: right
+    before ``anchor``, the cached block that followed them, or at the head where it left
+    the queue (vLLM evicted it and would have evicted them first; or it is in use). So
+    storing a block never changes when the device evicts it. The walk to ``anchor``
+    stops after ``window`` blocks: they are put back there."""
     back = [b for b in blocks if not b.ref_cnt]  # a request took the others meanwhile
     if not back or anchor is None:  # no cached block followed them: the tail is theirs
         return
@@ -279,7 +283,7 @@ def put_back(pool: BlockPool, blocks: list[KVCacheBlock], anchor: Anchor) -> Non
     if block.ref_cnt == 0 and block.block_hash == block_hash:  # still cached, free
         returning = {b.block_id for b in back}
         for queued in vllm_compat.iter_free_blocks(pool.free_block_queue):
-            if queued is block:
+            if queued is block or len(ahead) >= window:
                 break
             if queued.block_id not in returning:
                 ahead.append(queued)

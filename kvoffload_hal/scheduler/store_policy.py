@@ -60,6 +60,9 @@ class BlockPicker:
         # Hashes of kept blocks that end their request's prompt exactly (see
         # Eviction.on_prompt_ends): only a longer prompt can read them.
         self.prompt_ends: set[Any] = set()
+        # > 0: the blocks offered are the first ``head_window`` of the device's free queue
+        # (lazy); they go back there once stored (store_jobs.put_back).
+        self.head_window = 0
 
     @property
     def full(self) -> bool:
@@ -297,6 +300,7 @@ class LazyPolicy(StorePolicy):
     def select(self, scheduler_output: SchedulerOutput, picker: BlockPicker) -> None:
         if self.gpu_pool is None:
             return
+        picker.head_window = self.window_blocks
         free_queue = vllm_compat.iter_free_blocks(self.gpu_pool.free_block_queue)
         for n, block in enumerate(free_queue):
             if n >= self.window_blocks or picker.full:

@@ -92,7 +92,7 @@ def test_a_stores_blocks_go_back_in_front_of_the_block_that_followed_them(evicte
     pool.get_new_blocks(evicted)  # the device allocates from the head meanwhile
     unpin_ids(pool, taken)
     assert _queue(pool)[-2:] == taken  # vLLM's free_blocks: at the tail
-    put_back(pool, [blocks[1], blocks[2]], anchor)
+    put_back(pool, [blocks[1], blocks[2]], anchor, window=6)
     assert _queue(pool) == [blocks[i].block_id for i in expected]
 
 
@@ -102,6 +102,18 @@ def test_a_block_a_request_took_meanwhile_is_left_where_vllm_frees_it():
     pin_ids(pool, [blocks[0].block_id, blocks[1].block_id])
     pool.touch([blocks[1]])  # a prefix hit of a request on the device
     unpin_ids(pool, [blocks[0].block_id, blocks[1].block_id])
-    put_back(pool, [blocks[0], blocks[1]], anchor)
+    put_back(pool, [blocks[0], blocks[1]], anchor, window=4)
     assert _queue(pool) == [blocks[0].block_id, blocks[2].block_id, blocks[3].block_id]
     assert next_cached(blocks[3], set()) is None  # the queue's end: left at the tail
+
+
+def test_the_walk_to_the_anchor_stops_after_the_window():
+    """A store's blocks came from the first ``window`` of the queue: the walk back to
+    them is never longer (blocks put back ahead of them may have pushed the anchor)."""
+    pool, blocks = _cached_pool(6)
+    taken = [blocks[3].block_id, blocks[4].block_id]
+    anchor = next_cached(blocks[4], set(taken))
+    pin_ids(pool, taken)
+    unpin_ids(pool, taken)
+    put_back(pool, [blocks[3], blocks[4]], anchor, window=1)
+    assert _queue(pool) == [blocks[i].block_id for i in (0, 3, 4, 1, 2, 5)]
