@@ -2,7 +2,8 @@
 
 ``wait_until(predicate, timeout_s, what)`` polls ``predicate`` every millisecond
 and fails with ``what`` in the message when it stays false; ``collect_results``
-gathers exactly ``n`` results from a ``poll`` callable (a backend's, a tier's).
+gathers exactly ``n`` results from a ``poll`` callable (a backend's, a tier's);
+``wait_for_tier_io`` waits for a worker tier's IO calls to return (a disk answering again).
 """
 
 from __future__ import annotations
@@ -41,3 +42,13 @@ def collect_results(poll: Callable[[], list], n: int, timeout_s: float = 10.0) -
         raise AssertionError(f"{e}; got {len(results)}: {results}") from None
     assert len(results) == n, f"expected {n} result(s), got {len(results)}: {results}"
     return results
+
+
+def wait_for_tier_io(tier: Any, timeout_s: float = 30.0) -> None:
+    """Return once every IO call submitted to the worker tier ``tier`` (a
+    ``PooledTier``) has returned: the disk answered. Their results wait in the tier for
+    the engine's next steps, as they would in a server that got no request meanwhile."""
+    def returned() -> bool:
+        return all(f.done() for futures in list(tier._jobs.values()) for f in futures)
+
+    wait_until(returned, timeout_s, f"the {tier.label}'s IO calls to return")

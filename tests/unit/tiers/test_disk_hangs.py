@@ -10,6 +10,7 @@ blocked in the kernel would.
 import threading
 
 from support.clock import FakeClock, install_clock
+from support.polling import wait_for_tier_io
 from support.serving_rig import serve
 
 BS = 16
@@ -108,6 +109,7 @@ def test_writes_the_disk_never_answers_stop_keeping_an_idle_engine_busy(make_eng
         gate.set()
     # The disk answers again: after the breaker's window the next request probes it, the
     # late writes are reported, and the breaker closes.
+    wait_for_tier_io(tier)
     clock.now += 60.0
     serve(engine, ("after", _doc(5, 3)))
     totals = engine.offload.totals.data

@@ -19,6 +19,7 @@ import pytest
 from kvoffload_hal.tiers import registry
 from support.clock import FakeClock, install_clock
 from support.object_store_tier import ENTRY_POINT, STORES, ObjectStoreSpec
+from support.polling import wait_for_tier_io
 from support.serving_rig import serve
 
 BS = 16
@@ -73,9 +74,11 @@ def test_a_hybrid_hit_on_a_full_cpu_tier_is_recomputed_within_a_deadline(make_en
     finally:
         gate.set()
     # Writes stuck past the disk tier's wait opened its breaker: while it is open they
-    # are no pending work (an idle engine does not step for them). The next request,
-    # after the breaker's window, probes the disk, and the late writes are reported.
+    # are no pending work (an idle engine does not step for them). Once the disk has
+    # answered, the next request, after the breaker's window, collects the late writes'
+    # reports (or probes the disk), and the breaker closes.
     assert engine.offload.totals.data["disk_breaker_opens"] == 1
+    wait_for_tier_io(tier)
     clock.now += 60.0
     _serve(engine, ("after", _doc(9, 2)))
     engine.drain()
