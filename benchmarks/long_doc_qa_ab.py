@@ -4,12 +4,14 @@ For a change to what the engine caches (where a block goes, what is stored), the
 question is what each tree computes on the same prompts. Each round runs
 ``long_doc_qa.run_one`` for ``prefix-cache+offload`` once in each tree, alternating which
 goes first, each in a fresh process that imports that tree's package and benchmarks.
-``--lazy``: both with lazy stores (``lazy_offload: true``). Prints, per document count and
+``--lazy``: both with lazy stores (``lazy_offload: true``); ``--output-tokens``: each
+request's output length (long_doc_qa's default otherwise). Prints, per document count and
 tree, the prompt tokens computed (the medians of the rounds), those served by the device
 prefix cache and by the CPU tier, and the measured pass's wall time.
 
     python benchmarks/long_doc_qa_ab.py BASE_TREE NEW_TREE [--num-documents 16 32]
-        [--document-length 256] [--rounds 3] [--lazy] [--out docs/benchmarks/NAME]
+        [--document-length 256] [--rounds 3] [--lazy] [--output-tokens N]
+        [--out docs/benchmarks/NAME]
 
 ``--out``: also writes the table (``NAME.md``, with ``lscpu``) and a plot (``NAME.png``).
 
@@ -31,6 +33,7 @@ import dataclasses, json, logging, sys
 tree, num_docs, length, lazy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 sys.path[:0] = [tree, tree + "/benchmarks"]
 import long_doc_qa as q
+q.OUTPUT_TOKENS = int(sys.argv[5]) or q.OUTPUT_TOKENS
 logging.getLogger("vllm").setLevel(logging.WARNING)
 spec_of = q.engine_spec
 q.engine_spec = lambda *a, **k: dataclasses.replace(spec_of(*a, **k), lazy_offload=lazy)
@@ -44,9 +47,12 @@ print(json.dumps(dict(computed=r.prompt_tokens - r.cached_tokens, cpu=r.cpu_hit_
 FIELDS = ("computed", "device", "cpu", "wall_s")
 
 
-def run(tree: str, num_docs: int, length: int, lazy: bool) -> dict[str, float]:
+def run(tree: str, num_docs: int, length: int, lazy: bool,
+        output_tokens: int = 0) -> dict[str, float]:
+    """One engine pass of ``tree`` (``output_tokens`` 0: long_doc_qa's default)."""
     out = subprocess.run([sys.executable, "-c", RUN, tree, str(num_docs), str(length),
-                          "1" if lazy else "0"], check=True, capture_output=True, text=True)
+                          "1" if lazy else "0", str(output_tokens)],
+                         check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -58,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--document-length", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lazy", action="store_true", help="both trees with lazy stores")
+    parser.add_argument("--output-tokens", type=int, default=0,
+                        help="output tokens per request (default: long_doc_qa's)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write OUT.md and OUT.png (a path without suffix)")
     args = parser.parse_args(argv)
@@ -67,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.num_documents:
             order = list(trees) if r % 2 == 0 else list(trees)[::-1]
             for name in order:
-                result = run(trees[name], n, args.document_length, args.lazy)
+                result = run(trees[name], n, args.document_length, args.lazy,
+                             args.output_tokens)
                 results.setdefault((n, name), []).append(result)
                 print(f"round {r + 1} N={n} {name}: {result}", file=sys.stderr, flush=True)
     table = report(results)
@@ -76,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         from scheduler_overhead_report import machine_line
 
         mode = "lazy" if args.lazy else "eager"
-        title = (f"Long-document QA, {args.document_length}-token documents, {mode} stores: "
+        outputs = f", {args.output_tokens} output tokens" if args.output_tokens else ""
+        title = (f"Long-document QA, {args.document_length}-token documents{outputs}, "
+                 f"{mode} stores: "
                  f"base {revision(args.base)}, new {revision(args.new)}")
         args.out.with_suffix(".md").write_text(
             f"# {title}\n\n`python benchmarks/long_doc_qa_ab.py`, {args.rounds} rounds; "

@@ -67,6 +67,9 @@ class _Store:
     # Device blocks taken from the head of the free queue (a lazy store), the cached
     # block that followed them there and the window: they go back (see put_back).
     from_free: list[tuple[list[KVCacheBlock], Anchor, int]] = field(default_factory=list)
+    # The device blocks pinned, in the order vLLM frees them (BlockPicker.free_order):
+    # those whose request finished meanwhile enter the free queue in that order.
+    free_order: list[int] = field(default_factory=list)
 
 
 class StoreJobs:
@@ -139,7 +142,8 @@ class StoreJobs:
         self._in_flight_hashes.update(hashes)
         self._queued.append(_Store(gpu_ids, [b.block_id for b in cpu_blocks], hashes,
                                    picker.prompt_ends.intersection(hashes),
-                                   from_free=from_free))
+                                   from_free=from_free, free_order=[
+                                       b.block_id for b in picker.free_order(len(chosen))]))
 
     def rescue(self, rescued: list[tuple[int, Any]], load: LoadSpec | None = None,
                hands: HandOvers | None = None) -> tuple[StoreSpec | None, LoadSpec | None]:
@@ -208,6 +212,7 @@ class StoreJobs:
             store.hashes += queued.hashes
             store.prompt_ends |= queued.prompt_ends
             store.from_free += queued.from_free
+            store.free_order += queued.free_order
         self._queued.clear()
         return StoreSpec(self._sent.send(store), store.gpu_ids, store.cpu_ids)
 
@@ -244,7 +249,7 @@ class StoreJobs:
     def _release(self, store: _Store) -> None:
         self.cpu.unpin_ids(store.cpu_ids)
         if store.pins_device:
-            unpin_ids(self._gpu_pool(), store.gpu_ids)
+            unpin_ids(self._gpu_pool(), store.free_order)
             for blocks, anchor, window in store.from_free:
                 put_back(self._gpu_pool(), blocks, anchor, window)
         self._in_flight_gpu.difference_update(store.gpu_ids)

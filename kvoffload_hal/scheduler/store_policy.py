@@ -63,6 +63,9 @@ class BlockPicker:
         # > 0: the blocks offered are the first ``head_window`` of the device's free queue
         # (lazy); they go back there once stored (store_jobs.put_back).
         self.head_window = 0
+        # Where each run of :attr:`blocks` offered together (one request's blocks of one
+        # KV cache group, in block order) starts: see :meth:`free_order`.
+        self._run_starts: list[int] = []
 
     @property
     def full(self) -> bool:
@@ -80,6 +83,7 @@ class BlockPicker:
         (One loop, for every block a step offers.)"""
         kept, kept_hashes, passed = self.blocks, self._hashes, self.passed
         wanted, held = self._wanted, self._held
+        first_kept = len(kept)
         i = start
         while i < stop and len(kept) < self.budget:
             block = blocks[ids[i]]
@@ -95,7 +99,16 @@ class BlockPicker:
                 passed.add(h)
                 self.budget -= 1
             i += 1
+        if len(kept) > first_kept:
+            self._run_starts.append(first_kept)
         return i
+
+    def free_order(self, n: int) -> list[KVCacheBlock]:
+        """The first ``n`` blocks kept, in the order vLLM frees a finished request's
+        blocks: each run offered together deepest first (the device evicts a prefix
+        from its end). Blocks offered one by one (lazy) keep their order."""
+        bounds = [*(start for start in self._run_starts if start < n), n]
+        return [b for lo, hi in zip(bounds, bounds[1:]) for b in reversed(self.blocks[lo:hi])]
 
 
 class StorePolicy(ABC):

@@ -1,10 +1,16 @@
-"""Lazy stores never change when the device evicts a block.
+"""Stores never change when the device evicts a block.
 
 A lazy store copies the device blocks next in line for eviction (the head of vLLM's
 free queue), and holds them while it runs. vLLM's ``free_blocks`` would then put them at
 the tail, as if a request had just used them: the device would keep blocks the CPU tier
 holds already and evict, in their place, blocks it would have kept. The store puts them
 back where they were (scheduler/store_jobs.py, ``put_back``).
+
+An eager store of a request that finishes while it runs holds the request's last blocks
+when vLLM frees them. They enter the free queue when the store ends, in the order vLLM
+frees a request's blocks, deepest first (``BlockPicker.free_order``): in block order, the
+device would evict each such prefix from its first block and keep blocks no lookup can
+reach.
 """
 
 import pytest
@@ -63,6 +69,37 @@ def test_lazily_stored_blocks_keep_their_place_in_the_devices_eviction_order(mak
     serve(engine, ("again", _doc(1)))  # the first document, from the CPU tier
     assert engine.cached_tokens["again"] == DOC_BLOCKS * BS
     assert engine.offload.totals.data["cpu_hit_tokens"] - hits == DOC_BLOCKS * BS
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 6])
+def test_eagerly_stored_blocks_enter_the_free_queue_deepest_first(make_engine, max_tokens):
+    """Fails where a store frees its device blocks in block order: with one or two output
+    tokens the requests finish while their prompts' stores run, and each document's first
+    block went to the head of the queue, its last one nearest the tail."""
+    engine = make_engine(num_gpu_blocks=24, cpu_blocks=64, max_num_batched_tokens=8 * BS)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    owner = {}
+    for n in range(6):  # one at a time: each frees its blocks after the one before
+        req = engine.add(f"doc-{n}", _doc(n + 1), max_tokens=max_tokens)
+        owner.update((make_block_hash_with_group_id(h, 0), (n, -i))
+                     for i, h in enumerate(req.block_hashes))
+        for _ in range(100):
+            if not engine.scheduler.has_requests():
+                break
+            engine.step()
+            order = _free_queue_owners(pool, owner)
+            assert order == sorted(order), f"step {engine.steps}: {order}"
+        engine.drain()
+    assert engine.offload.totals.data["blocks_stored"] == 6 * DOC_BLOCKS
+    # The oldest document left on the device lost its last blocks, not its first: the
+    # device still serves its prefix.
+    oldest = _free_queue_owners(pool, owner)[0][0]
+    assert _free_queue_owners(pool, owner)[0] != (oldest, 0)
+    hits = engine.offload.totals.data.get("cpu_hit_tokens", 0)
+    serve(engine, ("again", _doc(oldest + 1)))
+    device_tokens = engine.cached_tokens["again"] - (
+        engine.offload.totals.data.get("cpu_hit_tokens", 0) - hits)
+    assert device_tokens > 0
 
 
 def _cached_pool(n):

@@ -91,6 +91,22 @@ def test_lazy_respects_the_budget_and_skips_unwanted_blocks():
     assert [b.block_id for b in picker.blocks] == [cached[i].block_id for i in (0, 3, 4)]
 
 
+def test_a_pickers_free_order_is_each_run_deepest_first():
+    """vLLM frees a request's blocks of a group deepest first; a store frees what it kept
+    the same way, each run offered together on its own, and a lone offer as it came."""
+    pool = _pool()
+    blocks = _cached_free_blocks(pool, 8)
+    ids = [b.block_id for b in blocks]
+    picker = BlockPicker(budget=100, wanted=_everything)
+    picker.offer_ids(blocks, range(8), 0, 3)  # one request's group: blocks 0-2
+    picker.offer_ids(blocks, range(8), 3, 5)  # the next group, or request: 3-4
+    picker.offer(blocks[5])
+    picker.offer(blocks[6])
+    assert [b.block_id for b in picker.free_order(7)] == [ids[i] for i in (2, 1, 0, 4, 3, 5, 6)]
+    # Fewer CPU blocks than kept: the store takes the first ones, in the same order.
+    assert [b.block_id for b in picker.free_order(4)] == [ids[i] for i in (2, 1, 0, 3)]
+
+
 def _config(*specs):
     return KVCacheConfig(num_blocks=100, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s)
