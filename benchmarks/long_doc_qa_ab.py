@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         from scheduler_overhead_report import machine_line
 
         mode = "lazy" if args.lazy else "eager"
-        outputs = f", {args.output_tokens} output tokens" if args.output_tokens else ""
+        n_out = args.output_tokens
+        outputs = f", {n_out} output token{'s' * (n_out != 1)}" if n_out else ""
         title = (f"Long-document QA, {args.document_length}-token documents{outputs}, "
                  f"{mode} stores: "
                  f"base {revision(args.base)}, new {revision(args.new)}")
