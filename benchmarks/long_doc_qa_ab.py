@@ -125,12 +125,17 @@ def plot(results: dict[tuple[int, str], list[dict[str, float]]], path: Path,
     import matplotlib.pyplot as plt
 
     counts = sorted({n for n, _ in results})
+    bars = [(n, name) for n in counts for name in ("base", "new")]
+    xs = [k + (i - 0.5) * 0.4 for k in range(len(counts)) for i in range(2)]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, name in enumerate(("base", "new")):
-        values = [statistics.median(x["computed"] for x in results[(n, name)]) for n in counts]
-        ax.bar([k + (i - 0.5) * 0.35 for k in range(len(counts))], values, 0.35, label=name)
-    ax.set_xticks(range(len(counts)), [f"{n} documents" for n in counts])
-    ax.set_ylabel("prompt tokens computed (median)")
+    bottom = [0.0] * len(bars)
+    for field, label in (("computed", "computed"), ("cpu", "from the CPU tier"),
+                         ("device", "from the device")):
+        values = [statistics.median(x[field] for x in results[bar]) for bar in bars]
+        ax.bar(xs, values, 0.35, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(xs, [f"{n} documents\n{name}" for n, name in bars], fontsize=8)
+    ax.set_ylabel("prompt tokens (median)")
     ax.set_title(title, fontsize=8)
     ax.legend()
     fig.tight_layout()
