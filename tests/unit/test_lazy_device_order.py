@@ -41,6 +41,18 @@ def _free_queue_owners(pool, owner):
             if b.block_hash is not None]
 
 
+def _run_keeping_order(engine, pool, owner):
+    """Step until no request is left, checking after every step that the cached blocks
+    in the device's free queue are in vLLM's order (their ``owner`` keys sorted)."""
+    for _ in range(100):
+        if not engine.scheduler.has_requests():
+            return
+        engine.step()
+        order = _free_queue_owners(pool, owner)
+        assert order == sorted(order), f"step {engine.steps}: {order}"
+    raise AssertionError("requests left after 100 steps")
+
+
 def test_lazily_stored_blocks_keep_their_place_in_the_devices_eviction_order(make_engine):
     """Fails where a lazy store's device blocks go to the tail of the free queue when it
     ends: a document's block then follows the next document's."""
@@ -51,12 +63,7 @@ def test_lazily_stored_blocks_keep_their_place_in_the_devices_eviction_order(mak
     for n in range(8):  # one at a time: each frees its blocks after the one before
         req = engine.add(f"doc-{n}", _doc(n + 1), max_tokens=2)
         owner.update((make_block_hash_with_group_id(h, 0), n) for h in req.block_hashes)
-        for _ in range(100):
-            if not engine.scheduler.has_requests():
-                break
-            engine.step()
-            order = _free_queue_owners(pool, owner)
-            assert order == sorted(order), f"step {engine.steps}: {order}"
+        _run_keeping_order(engine, pool, owner)
     engine.drain()
     assert engine.offload.totals.data["blocks_stored"] >= 3 * DOC_BLOCKS
     # Nothing was lost on the way: each block is on the device or in the CPU tier.
@@ -83,12 +90,7 @@ def test_eagerly_stored_blocks_enter_the_free_queue_deepest_first(make_engine, m
         req = engine.add(f"doc-{n}", _doc(n + 1), max_tokens=max_tokens)
         owner.update((make_block_hash_with_group_id(h, 0), (n, -i))
                      for i, h in enumerate(req.block_hashes))
-        for _ in range(100):
-            if not engine.scheduler.has_requests():
-                break
-            engine.step()
-            order = _free_queue_owners(pool, owner)
-            assert order == sorted(order), f"step {engine.steps}: {order}"
+        _run_keeping_order(engine, pool, owner)
         engine.drain()
     assert engine.offload.totals.data["blocks_stored"] == 6 * DOC_BLOCKS
     # The oldest document left on the device lost its last blocks, not its first: the
